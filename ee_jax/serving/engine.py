@@ -1,0 +1,288 @@
+"""The step-wise engine: requests in, one scheduled step at a time, outputs out.
+
+A thin stateful shell around pure parts: the scheduler decides, the block manager counts
+pages, the model runner executes one compiled step. Each step moves one packed buffer to
+the device and one small result array back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import zlib
+
+import numpy as np
+
+from ee_jax.models import llama
+from ee_jax.models.config import ModelConfig
+from ee_jax.models.tokenizer import IncrementalDecoder
+from ee_jax.serving.block_manager import BlockManager
+from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
+from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
+from ee_jax.serving.params import (
+    InvalidRequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs (vLLM's names). `num_pages` wins over `kv_cache_gib` when both given."""
+
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_gib: float = 1.0
+    kv_dtype: str | None = None  # default: the model's dtype
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    max_pages_used: int = 0
+    compile_time: float = 0.0
+    num_compiles: int = 0
+    num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.num_decode_tokens / self.decode_time if self.decode_time else 0.0
+
+
+class LLMEngine:
+    def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
+                 config: EngineConfig = EngineConfig()):
+        self.model_config = cfg
+        self.config = config
+        self.tokenizer = tokenizer
+        sched_cfg = config.scheduler_config()
+        if config.max_model_len > cfg.max_position:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                             f"context length ({cfg.max_position}); lower max_model_len")
+        kv_dtype = config.kv_dtype or cfg.dtype
+        num_pages = config.num_pages
+        if num_pages is None:
+            per_page = bytes_per_page(cfg, config.page_size, kv_dtype)
+            want = config.max_num_seqs * sched_cfg.pages_per_seq + 1
+            num_pages = max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
+        if num_pages - 1 < sched_cfg.pages_per_seq:
+            raise ValueError(
+                f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
+                f"cannot hold one sequence of max_model_len={config.max_model_len}; raise "
+                f"num_pages/kv_cache_gib or lower max_model_len")
+        self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
+        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        self.runner = ModelRunner(cfg, params,
+                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype))
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count(1)
+        self._eos = set(cfg.eos_token_ids)
+        if tokenizer is not None:
+            self._eos |= set(getattr(tokenizer, "stop_token_ids", ()) or ())
+
+    # -- requests ----------------------------------------------------------------------
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or InvalidRequestError saying what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt has token ids outside the vocabulary [0, "
+                    f"{self.model_config.vocab_size}): {bad[:8]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if len(ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is "
+                f"{self.config.max_model_len} (room is needed for at least one new token): "
+                f"shorten the prompt or raise max_model_len")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.validate(prompt, params)
+        seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode()) >> 1
+        seq = Sequence(request_id=request_id, seq_id=next(self._seq_ids),
+                       prompt=prompt if isinstance(prompt, str) else None,
+                       prompt_token_ids=ids, params=params, seed=seed,
+                       metrics=RequestMetrics(arrival_time=time.perf_counter()))
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDecoder(self.tokenizer)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        seq.metrics.finish_time = time.perf_counter()
+        self.scheduler.release(seq)
+        return self._output(seq, "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output for every request that progressed."""
+        schedule = self.scheduler.schedule()
+        if schedule is None:
+            return []
+        self.stats.num_preemptions += len(schedule.preempted)
+        batch = self._build_batch(schedule)
+        t0 = time.perf_counter()
+        for row in schedule.rows:
+            if row.seq.metrics.first_scheduled_time is None:
+                row.seq.metrics.first_scheduled_time = t0
+        compiles = batch.shape not in self.runner.traces
+        result = self.runner.step(batch)
+        tokens, logprobs, extra = unpack_results(np.asarray(result))
+        dt = time.perf_counter() - t0
+        self._account(schedule, dt, compiles)
+        return self._process(schedule, tokens, logprobs, extra)
+
+    def _build_batch(self, schedule: Schedule) -> StepBatch:
+        b = StepBatch.empty(schedule.shape)
+        W = schedule.shape.pages
+        for r, row in enumerate(schedule.rows):
+            seq, n = row.seq, row.num_tokens
+            b.tokens[r, :n] = seq.tokens(row.start, row.start + n)
+            b.positions[r, :n] = np.arange(row.start, row.start + n)
+            b.positions[r, n:] = row.start + n  # padding: beyond kv_len, never written/read
+            table = self.blocks.page_table(seq.seq_id)[:W]
+            b.page_table[r, :len(table)] = table
+            b.kv_lens[r] = row.start + n
+            b.last_idx[r] = n - 1
+            b.seeds[r] = seq.seed
+            b.sample_idx[r] = len(seq.output_token_ids)
+            p = seq.params
+            b.temperature[r] = p.temperature
+            b.top_k[r] = p.top_k
+            b.top_p[r] = p.top_p
+        return b
+
+    def _account(self, schedule: Schedule, dt: float, compiled: bool) -> None:
+        """Steps that compiled a new program count as compile time, not serving time."""
+        s = self.stats
+        s.num_steps += 1
+        if compiled:
+            s.compile_time += dt
+            s.num_compiles += 1
+        if schedule.kind == "prefill":
+            s.num_prefill_steps += 1
+            s.prefill_time += 0.0 if compiled else dt
+            s.num_prompt_tokens += sum(r.num_tokens for r in schedule.rows)
+        else:
+            s.num_decode_steps += 1
+            s.decode_time += 0.0 if compiled else dt
+            s.num_decode_tokens += 0 if compiled else len(schedule.rows)
+        s.max_pages_used = max(s.max_pages_used, self.blocks.num_used_pages)
+
+    def _process(self, schedule: Schedule, tokens, logprobs, extra) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for r, row in enumerate(schedule.rows):
+            seq = row.seq
+            seq.num_computed = row.start + row.num_tokens
+            if not row.samples:
+                continue
+            token = int(tokens[r])
+            seq.output_token_ids.append(token)
+            seq.logprobs.append(float(logprobs[r]))
+            if extra.shape[1]:
+                seq.exit_layers.append(int(extra[r, 0]))
+            self.stats.num_generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            new_text = self._check_stop(seq, token)
+            if seq.finished:
+                seq.metrics.finish_time = now
+                self.scheduler.release(seq)
+                self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, new_text))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> str:
+        """Append the token's text, decide whether the sequence is done; returns new text."""
+        p = seq.params
+        is_eos = token in self._eos and not p.ignore_eos
+        old_len = len(seq.text)
+        if seq.detokenizer is not None and not is_eos and token not in p.stop_token_ids:
+            seq.text += seq.detokenizer.push(token)
+        if is_eos or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and len(seq.text) > old_len:
+            start = max(0, old_len - max(map(len, p.stop)) + 1)
+            hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:  # the stop string itself is not part of the output (vLLM's default)
+                seq.text = seq.text[:min(hits)]
+                seq.finish_reason = "stop"
+        new_text = seq.text[old_len:]
+        if not seq.finished and (len(seq.output_token_ids) >= p.max_tokens
+                                 or seq.num_tokens >= self.config.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason == "length" and seq.detokenizer is not None:
+            seq.text += seq.detokenizer.finish()  # flush a trailing partial character
+        return new_text
+
+    def _output(self, seq: Sequence, new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids, text=seq.text,
+            token_ids=list(seq.output_token_ids), finished=seq.finished,
+            finish_reason=seq.finish_reason, error=seq.error,
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            exit_layers=list(seq.exit_layers) or None, metrics=seq.metrics, new_text=new_text)
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def num_compiled_programs(self) -> int:
+        return len(self.runner.traces)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.cache.nbytes
+
+    def pages_per_seq(self) -> int:
+        return math.ceil(self.config.max_model_len / self.config.page_size)

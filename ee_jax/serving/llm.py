@@ -1,0 +1,98 @@
+"""`LLM`: the offline batch API (vLLM's shape) on top of the step-wise engine."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from ee_jax.models.loading import LoadedModel, load_model
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import (
+    InvalidRequestError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model once, then `generate` batches of prompts with continuous batching.
+
+        llm = LLM("smollm2-135m-instruct")
+        outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+    """
+
+    def __init__(self, model: str | LoadedModel = "smollm2-135m-instruct", *,
+                 dtype: str = "float32", progress: bool = True, **engine_kwargs):
+        t0 = time.perf_counter()
+        self.model = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, progress=progress)
+        self.load_time = time.perf_counter() - t0
+        config = EngineConfig(**engine_kwargs)
+        self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
+                                config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A bad prompt yields an output with
+        `finish_reason == "error"` and `error` set; the others are served normally."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(sampling_params)} "
+                                      f"SamplingParams: give one, or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, sp in zip(prompts, sampling_params, strict=True):
+            rid = f"req-{self._counter}"
+            self._counter += 1
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, sp)
+            except InvalidRequestError as e:
+                results[rid] = _error_output(rid, prompt, str(e))
+        total = sum(sp.max_tokens for rid, sp in zip(order, sampling_params, strict=True)
+                    if rid not in results)
+        bar = tqdm(total=total, desc="generate", unit="tok", file=sys.stderr,
+                   disable=not use_tqdm, leave=False)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                bar.update(1)
+                if out.finished:
+                    results[out.request_id] = out
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, conversations, sampling_params=None, **kw) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, **kw)
+
+
+def _error_output(rid: str, prompt: Prompt, message: str) -> RequestOutput:
+    now = time.perf_counter()
+    return RequestOutput(
+        request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), text="",
+        token_ids=[], finished=True, finish_reason="error", error=message,
+        metrics=RequestMetrics(arrival_time=now, finish_time=now))
+

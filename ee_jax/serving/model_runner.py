@@ -1,0 +1,167 @@
+"""The jitted model step over the paged cache, and the host<->device packing around it.
+
+One function serves prefill (T > 1 tokens per row) and full-depth decode (T == 1): embed,
+the stacked layers under `lax.fori_loop` with the cache in the loop carry (so each layer's
+K/V write is an in-place scatter), the head at each row's last real token, and sampling.
+Programs are keyed by a `StepShape` (batch, tokens, page-table width) drawn from a small
+set of buckets, so steady state never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ee_jax.models import llama
+from ee_jax.models.config import ModelConfig
+from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """Static shape of one compiled step: B rows, T tokens per row, W pages per row."""
+
+    batch: int
+    tokens: int
+    pages: int
+
+    # Layout of the single int32 host buffer (floats are bit-cast into it).
+    def _fields(self) -> tuple[tuple[str, int], ...]:
+        B, T, W = self.batch, self.tokens, self.pages
+        return (("tokens", B * T), ("positions", B * T), ("page_table", B * W),
+                ("kv_lens", B), ("last_idx", B), ("seeds", B), ("sample_idx", B),
+                ("top_k", B), ("temperature", B), ("top_p", B))
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self._fields())
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Host-side inputs of one step, already padded to a StepShape."""
+
+    shape: StepShape
+    tokens: np.ndarray  # [B, T] int32
+    positions: np.ndarray  # [B, T] int32
+    page_table: np.ndarray  # [B, W] int32
+    kv_lens: np.ndarray  # [B] int32 (0 for padding rows)
+    last_idx: np.ndarray  # [B] int32, index in T of the token whose logits are sampled
+    seeds: np.ndarray  # [B] int32
+    sample_idx: np.ndarray  # [B] int32, how many tokens the request has sampled so far
+    top_k: np.ndarray  # [B] int32
+    temperature: np.ndarray  # [B] f32
+    top_p: np.ndarray  # [B] f32
+
+    @classmethod
+    def empty(cls, shape: StepShape) -> StepBatch:
+        B, T, W = shape.batch, shape.tokens, shape.pages
+        return cls(shape, np.zeros((B, T), np.int32), np.zeros((B, T), np.int32),
+                   np.full((B, W), NULL_PAGE, np.int32), np.zeros(B, np.int32),
+                   np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
+                   np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32))
+
+    def pack(self) -> np.ndarray:
+        """Everything in one int32 buffer: one host-to-device transfer per step."""
+        parts = []
+        for name, n in self.shape._fields():
+            a = np.asarray(getattr(self, name))
+            if a.dtype == np.float32:
+                a = a.view(np.int32)
+            parts.append(a.astype(np.int32, copy=False).reshape(n))
+        return np.concatenate(parts)
+
+
+def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
+    B, T, W = shape.batch, shape.tokens, shape.pages
+    out, off = {}, 0
+    for name, n in shape._fields():
+        a = buf[off:off + n]
+        off += n
+        if name in ("temperature", "top_p"):
+            a = jax.lax.bitcast_convert_type(a, jnp.float32)
+        if name in ("tokens", "positions"):
+            a = a.reshape(B, T)
+        elif name == "page_table":
+            a = a.reshape(B, W)
+        out[name] = a
+    return out
+
+
+def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
+                cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """Layer `i` over the paged cache: write this step's K/V, then attend over the pages."""
+
+    def attend(q, k, v):
+        new_cache = write_kv(cache, i, meta, k, v)
+        return paged_attention(q, new_cache, i, meta), new_cache
+
+    return llama.decoder_layer(llama.layer_params(params, i), x, meta.positions, cfg, attend)
+
+
+def paged_forward(params: llama.Params, cache: KVCache, tokens: jax.Array,
+                  meta: AttentionMetadata, cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """All layers over [B, T] tokens; returns the last hidden states [B, T, D] and the cache."""
+
+    def body(i, carry):
+        x, cache = carry
+        return paged_layer(params, i, x, cache, meta, cfg)
+
+    x = llama.embed(params, tokens)
+    return jax.lax.fori_loop(0, cfg.n_layers, body, (x, cache))
+
+
+def sampling_tensors(inp: dict[str, jax.Array]) -> SamplingTensors:
+    return SamplingTensors(temperature=inp["temperature"], top_k=inp["top_k"],
+                           top_p=inp["top_p"], seeds=inp["seeds"].astype(jnp.uint32),
+                           steps=inp["sample_idx"])
+
+
+def pack_results(tokens: jax.Array, logprobs: jax.Array, *extra: jax.Array) -> jax.Array:
+    """One small int32 array [B, 2 + len(extra)] back to the host (logprobs bit-cast)."""
+    cols = [tokens.astype(jnp.int32), jax.lax.bitcast_convert_type(logprobs, jnp.int32)]
+    cols += [e.astype(jnp.int32) for e in extra]
+    return jnp.stack(cols, axis=1)
+
+
+def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    out = np.asarray(out)
+    return out[:, 0], out[:, 1].view(np.float32), out[:, 2:]
+
+
+class ModelRunner:
+    """Owns the params, the cache and the compiled steps; the engine hands it StepBatches."""
+
+    def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache):
+        self.cfg = cfg
+        self.params = params
+        self.cache = cache
+        self.traces: dict[StepShape, int] = {}
+        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(2,))
+
+    def _step_impl(self, shape: StepShape, params, cache: KVCache, buf: jax.Array):
+        self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
+        inp = unpack(shape, buf)
+        meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
+        x, cache = paged_forward(params, cache, inp["tokens"], meta, self.cfg)
+        h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
+        logits = llama.final_head(params, h, self.cfg)
+        tokens = sample(logits, sampling_tensors(inp))
+        logprobs = token_logprobs(logits, tokens)
+        return cache, pack_results(tokens, logprobs)
+
+    def step(self, batch: StepBatch) -> Any:
+        """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""
+        buf = jnp.asarray(batch.pack())
+        self.cache, out = self._step(batch.shape, self.params, self.cache, buf)
+        return out
+
+    @property
+    def num_traces(self) -> int:
+        return sum(self.traces.values())

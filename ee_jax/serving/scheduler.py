@@ -1,0 +1,222 @@
+"""Iteration-level (continuous) batching: which sequences run in the next step.
+
+Every step is either a prefill step (rows process a chunk of several tokens) or a decode
+step (every row processes exactly one token and samples). A sequence is simply "tokens
+[num_computed, num_tokens) still need their K/V": a fresh prompt, the rest of a chunked
+prompt, a preempted sequence being recomputed, or the last sampled token of a decoding
+sequence are all the same thing, which keeps this module small.
+
+Policy (vLLM's v0 defaults): prefill first, first-come first-served, admission by free
+pages and a token budget; when decode runs out of pages the newest running sequence is
+preempted (its pages freed, recomputed later, nothing lost).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Literal
+
+from ee_jax.serving.block_manager import BlockManager
+from ee_jax.serving.model_runner import StepShape
+from ee_jax.serving.params import RequestMetrics, SamplingParams
+
+
+@dataclasses.dataclass
+class Sequence:
+    """Host state of one request."""
+
+    request_id: str
+    seq_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    metrics: RequestMetrics
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    exit_layers: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    text: str = ""
+    detokenizer: Any = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        return [self.token_at(i) for i in range(start, stop)]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048  # prefill token budget per step
+    max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    min_prefill_bucket: int = 16
+    min_page_bucket: int = 4
+
+    def __post_init__(self):
+        if self.max_prefill_chunk & (self.max_prefill_chunk - 1):
+            raise ValueError(f"max_prefill_chunk must be a power of two, got "
+                             f"{self.max_prefill_chunk}")
+        if self.max_num_seqs > max(self.batch_buckets):
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) exceeds the largest batch "
+                             f"bucket ({max(self.batch_buckets)})")
+        if self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_batched_tokens and max_model_len must be positive")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    def batch_bucket(self, n: int) -> int:
+        return min(b for b in self.batch_buckets if b >= n)
+
+    def token_bucket(self, n: int) -> int:
+        return min(self.max_prefill_chunk, max(self.min_prefill_bucket, _next_pow2(n)))
+
+    def page_bucket(self, num_tokens: int) -> int:
+        pages = math.ceil(num_tokens / self.page_size)
+        return min(self.pages_per_seq, max(self.min_page_bucket, _next_pow2(pages)))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    seq: Sequence
+    start: int  # first position processed
+    num_tokens: int  # tokens processed this step
+
+    @property
+    def samples(self) -> bool:
+        """Only a row that reaches the sequence's last token produces a new token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class Schedule:
+    kind: Literal["prefill", "decode"]
+    rows: list[ScheduledRow]
+    shape: StepShape
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order (oldest first)
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def release(self, seq: Sequence) -> None:
+        """Finished or aborted: give its pages back and forget it."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            if seq.seq_id in self.blocks:
+                self.blocks.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- the decision ------------------------------------------------------------------
+
+    def schedule(self) -> Schedule | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Schedule | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        max_rows = cfg.max_num_seqs
+        rows: list[ScheduledRow] = []
+        # Sequences already running with a prompt chunk still to go come first.
+        for seq in self.running:
+            if len(rows) >= max_rows or budget <= 0:
+                break
+            if seq.num_pending > 1:
+                n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
+                if not self.blocks.can_append(seq.seq_id, seq.num_computed + n):
+                    continue
+                self.blocks.ensure_capacity(seq.seq_id, seq.num_computed + n)
+                rows.append(ScheduledRow(seq, seq.num_computed, n))
+                budget -= n
+        # Then admit waiting sequences, strictly first come first served.
+        while self.waiting and len(rows) < max_rows and budget > 0 \
+                and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
+            if not self.blocks.can_allocate(seq.num_computed + n):
+                break
+            self.blocks.allocate(seq.seq_id, seq.num_computed + n)
+            self.waiting.popleft()
+            self.running.append(seq)
+            rows.append(ScheduledRow(seq, seq.num_computed, n))
+            budget -= n
+        if not rows:
+            return None
+        shape = StepShape(cfg.batch_bucket(len(rows)),
+                          cfg.token_bucket(max(r.num_tokens for r in rows)),
+                          cfg.page_bucket(max(r.start + r.num_tokens for r in rows)))
+        return Schedule("prefill", rows, shape, [])
+
+    def _schedule_decode(self) -> Schedule | None:
+        preempted: list[Sequence] = []
+        rows: list[ScheduledRow] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an older one
+                continue
+            while not self.blocks.can_append(seq.seq_id, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens)
+                rows.append(ScheduledRow(seq, seq.num_computed, 1))
+        if not rows:
+            if not preempted:
+                return None
+            schedule = self._schedule_prefill()
+            if schedule is not None:
+                schedule.preempted = preempted
+            return schedule
+        shape = StepShape(self.config.batch_bucket(len(rows)), 1,
+                          self.config.page_bucket(max(r.seq.num_tokens for r in rows)))
+        return Schedule("decode", rows, shape, preempted)

@@ -1,0 +1,27 @@
+"""Tiny configurations and random models shared by tests, examples and benchmarks."""
+
+from __future__ import annotations
+
+import jax
+
+from ee_jax.models.config import ModelConfig, RopeScaling
+from ee_jax.models.llama import init_params
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """GQA (4 query / 2 kv heads), head_dim != d_model / heads, untied head, Llama-3 RoPE."""
+    base = dict(
+        vocab_size=128, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+        ffn_dim=96, rms_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64),
+        tie_embeddings=False, max_position=1024, bos_token_id=1, eos_token_ids=(2,),
+        name="tiny",
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, **overrides):
+    cfg = tiny_config(**overrides)
+    return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=0.1)

@@ -1,0 +1,160 @@
+"""The full-depth serving engine against the dense no-cache reference (tiny random model)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
+from tests.fakes import tiny_model
+from tests.reference import dense_greedy
+
+CFG, PARAMS = tiny_model(seed=3, eos_token_ids=())
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (5, 17, 1, 33, 9, 24)]
+MAX_NEW = 12
+
+
+def make_engine(**kw) -> LLMEngine:
+    base = dict(max_num_seqs=8, max_model_len=128, page_size=4, num_pages=200,
+                max_prefill_chunk=16, max_num_batched_tokens=48, batch_buckets=(1, 2, 4, 8))
+    base.update(kw)
+    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base))
+
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One engine for the tests that need no special configuration (compiles once)."""
+    return make_engine()
+
+
+def run(engine, prompts, params):
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    rids = [f"r{next(_ids)}" for _ in prompts]
+    for rid, p, sp in zip(rids, prompts, params, strict=True):
+        engine.add_request(rid, p, sp)
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        assert steps < 10_000
+    return [done[rid] for rid in rids]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [dense_greedy(CFG, PARAMS, p, MAX_NEW) for p in PROMPTS]
+
+
+def test_greedy_equals_dense_reference(reference, shared):
+    # Chunked prefill (prompts up to 33 tokens, chunks of 16), mixed lengths, 4-token pages.
+    outs = run(shared, PROMPTS, greedy(MAX_NEW))
+    for out, ref in zip(outs, reference, strict=True):
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+
+
+def test_tiny_page_pool_forces_preemption_same_output(reference):
+    # 3 usable pages of 4 beyond one full sequence: sequences must be preempted to progress.
+    engine = make_engine(num_pages=34, max_model_len=128)
+    outs = run(engine, PROMPTS, greedy(MAX_NEW))
+    assert engine.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert engine.blocks.num_used_pages == 0
+    engine.blocks.check_invariants()
+
+
+def test_output_does_not_depend_on_batch_mates(reference, shared):
+    alone = run(shared, [PROMPTS[3]], greedy(MAX_NEW))[0]
+    crowd = run(shared, [PROMPTS[0], PROMPTS[3], PROMPTS[5], PROMPTS[1]],
+                greedy(MAX_NEW))[1]
+    assert alone.token_ids == crowd.token_ids == reference[3]
+
+
+def test_seeded_sampling_reproducible_across_batches(shared):
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, seed=1234)
+    a = run(shared, [PROMPTS[2]], sp)[0]
+    b = run(shared, [PROMPTS[4], PROMPTS[2]], [greedy(8), sp])[1]
+    assert a.token_ids == b.token_ids
+
+
+def test_trace_count_bounded_over_long_run(shared):
+    engine = shared
+    rng = np.random.default_rng(1)
+    for wave in range(4):  # requests arrive between steps, batches keep changing
+        for i in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(1, 40))
+            engine.add_request(f"w{wave}-{i}", rng.integers(3, CFG.vocab_size, n).tolist(),
+                               greedy(int(rng.integers(1, 20))))
+        for _ in range(int(rng.integers(1, 15))):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    compiled = engine.num_compiled_programs
+    assert all(n == 1 for n in engine.runner.traces.values()), engine.runner.traces
+    # The same workload again compiles nothing new.
+    for i, n in enumerate((3, 17, 38, 1, 9)):
+        engine.add_request(f"again-{i}", rng.integers(3, CFG.vocab_size, n).tolist(), greedy(9))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_compiled_programs <= compiled + 3
+    assert all(n == 1 for n in engine.runner.traces.values())
+
+
+def test_stop_token_and_max_model_len(reference, shared):
+    stop_at = reference[0][4]
+    out = run(shared, [PROMPTS[0]], greedy(MAX_NEW, stop_token_ids=(stop_at,)))[0]
+    first = reference[0].index(stop_at)
+    assert out.token_ids == reference[0][:first + 1] and out.finish_reason == "stop"
+    # max_model_len caps prompt + output.
+    out = run(make_engine(max_model_len=20), [PROMPTS[1]], greedy(50))[0]
+    assert len(PROMPTS[1]) + len(out.token_ids) == 20 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], greedy(4), "empty"),
+    ([5] * 200, greedy(4), "max_model_len"),
+    ([5, CFG.vocab_size + 3], greedy(4), "outside the vocabulary"),
+    ([5, -1], greedy(4), "outside the vocabulary"),
+])
+def test_bad_requests_rejected_others_carry_on(prompt, params, match, reference, shared):
+    engine = shared
+    rid = f"good{next(_ids)}"
+    engine.add_request(rid, PROMPTS[0], greedy(MAX_NEW))
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(f"bad{next(_ids)}", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [rid] and outs[0].token_ids == reference[0]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_params(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
+
+
+def test_abort_frees_pages(shared):
+    engine = shared
+    engine.add_request("a", PROMPTS[3], greedy(50))
+    engine.add_request("b", PROMPTS[1], greedy(5))
+    for _ in range(4):
+        engine.step()
+    out = engine.abort_request("a")
+    assert out.finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks.num_used_pages == 0
