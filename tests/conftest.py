@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from ee_jax.models import registry
+
+# CI runs a fixed set of examples (reproducible); locally hypothesis explores new ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import torch
 from ee_jax.models import llama
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
+from tests.reference import dense_greedy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -62,12 +63,16 @@ CHATS = [
 ]
 
 
-def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf):
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, max_num_seqs=4, max_model_len=512, page_size=16, progress=False)
+
+
+def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf, llm):
     """32 greedy tokens after chat prompts of mixed lengths, batched in our engine, each
     against transformers' own generate() on the same ids."""
     tok = smollm2.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
-    llm = LLM(smollm2, max_num_seqs=4, max_model_len=512, page_size=16, progress=False)
     outs = llm.generate(prompts, greedy(32), use_tqdm=False)
     for ids, out in zip(prompts, outs, strict=True):
         with torch.no_grad():  # stops at the model's EOS, as ours does
@@ -76,3 +81,17 @@ def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf):
         assert out.token_ids == ref[0, len(ids):].tolist()
     assert "Paris" in outs[0].text and outs[0].finish_reason == "stop"
     assert max(len(o.token_ids) for o in outs) == 32
+
+
+def test_engine_greedy_equals_dense_forward(smollm2, llm):
+    tok = smollm2.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
+    outs = llm.generate(prompts, greedy(16, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == dense_greedy(smollm2.config, smollm2.params, ids, 16, width=128)
+
+
+def test_stop_string_is_cut_from_the_text(llm):
+    out = llm.chat(CHATS[0], greedy(32, stop=("Paris",)), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and "Paris" not in out.text
+    assert out.text.startswith("The capital of France is")

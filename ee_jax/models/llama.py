@@ -189,18 +189,25 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     """Grouped-query attention with a boolean mask.
 
     q: [..., T, H, hd]; k, v: [..., S, K, hd]; mask: [..., T, S] -> [..., T, H, hd].
-    Scores and softmax in f32.
+    Heads are moved in front so both products are plain batched matmuls (the query heads
+    sharing a kv head are folded into the row axis); XLA's CPU backend runs that layout
+    about twice as fast as a dot_general with interleaved batch axes. Softmax in f32.
     """
     *lead, T, H, hd = q.shape
     K = k.shape[-2]
-    qg = q.reshape(*lead, T, K, H // K, hd)
-    scores = jnp.einsum("...tkgd,...skd->...kgts", qg, k,
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)
-    scores = jnp.where(mask[..., None, None, :, :], scores, -jnp.inf)
+    G = H // K
+    qh = jnp.moveaxis(q.reshape(*lead, T, K, G, hd), -3, -4).reshape(*lead, K, T * G, hd)
+    kh = jnp.moveaxis(k, -2, -3)  # [..., K, S, hd]
+    vh = jnp.moveaxis(v, -2, -3)
+    scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2),
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)  # [..., K, T*G, S]
+    m = jnp.repeat(mask, G, axis=-2)[..., None, :, :]  # rows are (t, g), t-major
+    scores = jnp.where(m, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully-masked row (padding) would be NaN: make it zero instead.
-    probs = jnp.where(jnp.any(mask, axis=-1)[..., None, None, :, None], probs, 0.0)
-    out = jnp.einsum("...kgts,...skd->...tkgd", probs.astype(v.dtype), v)
+    probs = jnp.where(jnp.any(m, axis=-1, keepdims=True), probs, 0.0)
+    out = jnp.matmul(probs.astype(v.dtype), vh)  # [..., K, T*G, hd]
+    out = jnp.moveaxis(out.reshape(*lead, K, T, G, hd), -4, -3)
     return out.reshape(*lead, T, H, hd)
 
 

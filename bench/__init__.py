@@ -1,0 +1,1 @@
+"""Benchmarks (not part of the installed package): `python -m bench.serving`."""
