@@ -511,10 +511,11 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.serving section is (re)written")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: batches 1 2, 8 new tokens (overrides those options)")
+                   help="smoke test: batches 1 2, 8 new tokens, no idle wait or re-measuring "
+                        "(overrides those options)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batches, args.new_tokens = [1, 2], 8
+    if args.quick:  # a smoke test: no waiting for an idle machine, no re-measuring
+        args.batches, args.new_tokens, args.wait_idle, args.extra_reps = [1, 2], 8, 0.0, 0
     return args
 
 

@@ -48,7 +48,7 @@ def _generate(args) -> int:
     items = _read_prompts(args)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, page_size=args.page_size,
-              num_pages=args.num_pages)
+              num_pages=args.num_pages, **_exit_kwargs(args))
     tok = llm.tokenizer
     prompts = []
     for it in items:
@@ -83,7 +83,8 @@ def _generate(args) -> int:
     bpp = llm.engine.kv_cache_bytes / llm.engine.blocks.num_pages
     print("--- summary", file=sys.stderr)
     print(f"requests {len(outs)} ({sum(o.error is not None for o in outs)} errors), "
-          f"generated {gen} tokens in {wall:.2f}s wall -> {gen / wall:.1f} tok/s overall",
+          f"generated {gen} tokens in {wall:.2f}s wall (compile included) -> "
+          f"{gen / wall:.1f} tok/s",
           file=sys.stderr)
     print(f"decode {s.decode_tokens_per_s:.1f} tok/s over {s.num_decode_steps} steps; "
           f"prefill {s.num_prompt_tokens} tokens in {s.num_prefill_steps} steps",
@@ -96,7 +97,36 @@ def _generate(args) -> int:
     print(f"pages: max used {s.max_pages_used} of {llm.engine.blocks.num_pages} "
           f"({s.max_pages_used * bpp / 2**20:.1f} MiB of KV), preemptions {s.num_preemptions}",
           file=sys.stderr)
+    ec = llm.engine.exit_config
+    if ec is not None:
+        L = llm.model.config.n_layers
+        print(f"early exit ({ec.policy}, {ec.measure} >= {ec.threshold}, head {ec.head}, "
+              f"exits {list(ec.exit_layers)}): batch exit layer per decode step "
+              f"{{{s.exit_histogram()}}}; mean layers {s.mean_layers_per_decode_step:.1f} of "
+              f"{L} -> ideal speedup {s.ideal_speedup(L):.2f}x", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
+
+
+def _exit_kwargs(args) -> dict:
+    """ExitConfig (and trained heads) from the --exit-* flags; {} when exits are off."""
+    from ee_jax.models import exits
+    from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.loading import load_model
+
+    if args.exit_heads:
+        model = load_model(args.model, dtype=args.dtype)
+        ec, heads = load_exit_heads(args.exit_heads, model.config)
+        overrides = {k: v for k, v in (("threshold", args.exit_threshold),
+                                       ("policy", args.exit_policy)) if v is not None}
+        return {"exit_config": exits.ExitConfig(**{**ec.__dict__, **overrides}),
+                "exit_heads": heads}
+    if not args.exit_layers:
+        return {}
+    layers = tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
+    ec = exits.ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
+                          threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
+                          policy=args.exit_policy or "all")
+    return {"exit_config": ec}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
+    e = g.add_argument_group("early exit")
+    e.add_argument("--exit-layers", help="comma-separated exit layers (layers run before the "
+                   "exit), e.g. 8,12,16,20,24; off by default")
+    e.add_argument("--exit-threshold", type=float, default=None,
+                   help="confidence needed to exit, in [0, 1] (default 0.9)")
+    e.add_argument("--exit-policy", choices=["all", "quorum", "never"], default=None,
+                   help="all: the batch exits when every row is confident (default)")
+    e.add_argument("--confidence", default="max_prob",
+                   choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
+    e.add_argument("--exit-head", default="norm", choices=["norm", "adapter"])
+    e.add_argument("--exit-heads", help="folder of trained exit heads (save_exit_heads); "
+                   "its exit config is used, --exit-threshold/--exit-policy override")
     g.add_argument("--json", action="store_true", help="print one JSON object per output")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exits import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
@@ -66,6 +67,23 @@ class EngineStats:
     num_compiles: int = 0
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
 
+    decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
+    step_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    token_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mean_layers_per_decode_step(self) -> float:
+        return self.decode_layers_run / self.num_decode_steps if self.num_decode_steps else 0.0
+
+    def ideal_speedup(self, n_layers: int) -> float:
+        """L / mean executed layers: the most early exit can give at this exit pattern."""
+        m = self.mean_layers_per_decode_step
+        return n_layers / m if m else 1.0
+
+    def exit_histogram(self) -> str:
+        """Decode steps per batch exit layer, e.g. '10:4 15:20 30:3'."""
+        return " ".join(f"{k}:{v}" for k, v in sorted(self.step_exit_counts.items()))
+
     @property
     def decode_tokens_per_s(self) -> float:
         return self.num_decode_tokens / self.decode_time if self.decode_time else 0.0
@@ -73,7 +91,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
-                 config: EngineConfig = EngineConfig()):
+                 config: EngineConfig = EngineConfig(),
+                 exit_config: ExitConfig | None = None, exit_heads=None):
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -94,8 +113,10 @@ class LLMEngine:
                 f"num_pages/kv_cache_gib or lower max_model_len")
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
+        self.exit_config = exit_config
         self.runner = ModelRunner(cfg, params,
-                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype))
+                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype),
+                                  exit_config, exit_heads)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count(1)
@@ -178,7 +199,7 @@ class LLMEngine:
         result = self.runner.step(batch)
         tokens, logprobs, extra = unpack_results(np.asarray(result))
         dt = time.perf_counter() - t0
-        self._account(schedule, dt, compiles)
+        self._account(schedule, dt, compiles, int(extra[0, 0]))
         return self._process(schedule, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
@@ -199,9 +220,13 @@ class LLMEngine:
             b.temperature[r] = p.temperature
             b.top_k[r] = p.top_k
             b.top_p[r] = p.top_p
+            b.threshold[r] = (p.exit_threshold if p.exit_threshold is not None
+                              else self.exit_config.threshold if self.exit_config
+                              else np.inf)
         return b
 
-    def _account(self, schedule: Schedule, dt: float, compiled: bool) -> None:
+    def _account(self, schedule: Schedule, dt: float, compiled: bool, exit_layer: int
+                 ) -> None:
         """Steps that compiled a new program count as compile time, not serving time."""
         s = self.stats
         s.num_steps += 1
@@ -216,6 +241,8 @@ class LLMEngine:
             s.num_decode_steps += 1
             s.decode_time += 0.0 if compiled else dt
             s.num_decode_tokens += 0 if compiled else len(schedule.rows)
+            s.decode_layers_run += exit_layer
+            s.step_exit_counts[exit_layer] = s.step_exit_counts.get(exit_layer, 0) + 1
         s.max_pages_used = max(s.max_pages_used, self.blocks.num_used_pages)
 
     def _process(self, schedule: Schedule, tokens, logprobs, extra) -> list[RequestOutput]:
@@ -229,8 +256,9 @@ class LLMEngine:
             token = int(tokens[r])
             seq.output_token_ids.append(token)
             seq.logprobs.append(float(logprobs[r]))
-            if extra.shape[1]:
-                seq.exit_layers.append(int(extra[r, 0]))
+            layer = int(extra[r, 0])
+            seq.exit_layers.append(layer)
+            self.stats.token_exit_counts[layer] = self.stats.token_exit_counts.get(layer, 0) + 1
             self.stats.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
@@ -272,7 +300,7 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids), finished=seq.finished,
             finish_reason=seq.finish_reason, error=seq.error,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            exit_layers=list(seq.exit_layers) or None, metrics=seq.metrics, new_text=new_text)
+            exit_layers=list(seq.exit_layers), metrics=seq.metrics, new_text=new_text)
 
     # -- introspection -----------------------------------------------------------------
 

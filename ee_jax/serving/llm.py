@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from ee_jax.models.exits import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (
@@ -28,14 +29,15 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel = "smollm2-135m-instruct", *,
-                 dtype: str = "float32", progress: bool = True, **engine_kwargs):
+                 dtype: str = "float32", progress: bool = True,
+                 exit_config: ExitConfig | None = None, exit_heads=None, **engine_kwargs):
         t0 = time.perf_counter()
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, progress=progress)
         self.load_time = time.perf_counter() - t0
         config = EngineConfig(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
-                                config)
+                                config, exit_config, exit_heads)
         self._counter = 0
 
     @property

@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import llama
+from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
+from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.early_exit import early_exit_decode
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.paged_model import paged_forward
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
 
 
@@ -36,7 +38,7 @@ class StepShape:
         B, T, W = self.batch, self.tokens, self.pages
         return (("tokens", B * T), ("positions", B * T), ("page_table", B * W),
                 ("kv_lens", B), ("last_idx", B), ("seeds", B), ("sample_idx", B),
-                ("top_k", B), ("temperature", B), ("top_p", B))
+                ("top_k", B), ("temperature", B), ("top_p", B), ("threshold", B))
 
     @property
     def size(self) -> int:
@@ -58,6 +60,7 @@ class StepBatch:
     top_k: np.ndarray  # [B] int32
     temperature: np.ndarray  # [B] f32
     top_p: np.ndarray  # [B] f32
+    threshold: np.ndarray  # [B] f32, early-exit confidence threshold of each row
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepBatch:
@@ -65,7 +68,8 @@ class StepBatch:
         return cls(shape, np.zeros((B, T), np.int32), np.zeros((B, T), np.int32),
                    np.full((B, W), NULL_PAGE, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
-                   np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32))
+                   np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32),
+                   np.zeros(B, np.float32))
 
     def pack(self) -> np.ndarray:
         """Everything in one int32 buffer: one host-to-device transfer per step."""
@@ -84,7 +88,7 @@ def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
     for name, n in shape._fields():
         a = buf[off:off + n]
         off += n
-        if name in ("temperature", "top_p"):
+        if name in ("temperature", "top_p", "threshold"):
             a = jax.lax.bitcast_convert_type(a, jnp.float32)
         if name in ("tokens", "positions"):
             a = a.reshape(B, T)
@@ -92,29 +96,6 @@ def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
             a = a.reshape(B, W)
         out[name] = a
     return out
-
-
-def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
-    """Layer `i` over the paged cache: write this step's K/V, then attend over the pages."""
-
-    def attend(q, k, v):
-        new_cache = write_kv(cache, i, meta, k, v)
-        return paged_attention(q, new_cache, i, meta), new_cache
-
-    return llama.decoder_layer(llama.layer_params(params, i), x, meta.positions, cfg, attend)
-
-
-def paged_forward(params: llama.Params, cache: KVCache, tokens: jax.Array,
-                  meta: AttentionMetadata, cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
-    """All layers over [B, T] tokens; returns the last hidden states [B, T, D] and the cache."""
-
-    def body(i, carry):
-        x, cache = carry
-        return paged_layer(params, i, x, cache, meta, cfg)
-
-    x = llama.embed(params, tokens)
-    return jax.lax.fori_loop(0, cfg.n_layers, body, (x, cache))
 
 
 def sampling_tensors(inp: dict[str, jax.Array]) -> SamplingTensors:
@@ -136,30 +117,50 @@ def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class ModelRunner:
-    """Owns the params, the cache and the compiled steps; the engine hands it StepBatches."""
+    """Owns the params, the cache and the compiled steps; the engine hands it StepBatches.
 
-    def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache):
+    With an `ExitConfig`, decode steps (one token per row) run the early-exit step; prefill
+    always runs at full depth. Results are [B, 3]: token, logprob (bit-cast), exit layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
+                 exit_config: exits.ExitConfig | None = None, exit_heads=None):
         self.cfg = cfg
         self.params = params
         self.cache = cache
+        self.exit_config = exit_config
+        if exit_config is not None:
+            exit_config.validate_for(cfg)
+            if exit_heads is None:
+                exit_heads = exits.init_heads(cfg, exit_config, params)
+            exits.check_heads(cfg, exit_config, exit_heads)
+        self.exit_heads = exit_heads
         self.traces: dict[StepShape, int] = {}
-        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(2,))
+        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,))
 
-    def _step_impl(self, shape: StepShape, params, cache: KVCache, buf: jax.Array):
+    def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array):
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
-        x, cache = paged_forward(params, cache, inp["tokens"], meta, self.cfg)
-        h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
-        logits = llama.final_head(params, h, self.cfg)
+        if shape.tokens == 1 and self.exit_config is not None:
+            logits, exit_layer, cache = early_exit_decode(
+                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg,
+                self.exit_config)
+        else:
+            x, cache = paged_forward(params, cache, inp["tokens"], meta, self.cfg)
+            h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
+            logits = llama.final_head(params, h, self.cfg)
+            exit_layer = jnp.asarray(self.cfg.n_layers, jnp.int32)
         tokens = sample(logits, sampling_tensors(inp))
         logprobs = token_logprobs(logits, tokens)
-        return cache, pack_results(tokens, logprobs)
+        return cache, pack_results(tokens, logprobs,
+                                   jnp.broadcast_to(exit_layer, tokens.shape))
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""
         buf = jnp.asarray(batch.pack())
-        self.cache, out = self._step(batch.shape, self.params, self.cache, buf)
+        self.cache, out = self._step(batch.shape, self.params, self.exit_heads, self.cache,
+                                     buf)
         return out
 
     @property

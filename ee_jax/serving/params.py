@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    exit_threshold: float | None = None  # early-exit threshold for this request (else global)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +50,11 @@ class SamplingParams:
                                       f"{self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**31:
             raise InvalidRequestError(f"seed must be in [0, 2**31), got {self.seed!r}")
+        if self.exit_threshold is not None and not (
+                0.0 <= self.exit_threshold <= 1.0 or self.exit_threshold == float("inf")):
+            raise InvalidRequestError(
+                f"exit_threshold must be in [0, 1] (or float('inf') for never), got "
+                f"{self.exit_threshold!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 

@@ -1,0 +1,67 @@
+"""Exit heads on disk: an orbax checkpoint of the heads tree plus the ExitConfig as JSON.
+
+    <folder>/exit_config.json   the ExitConfig and the model it was trained for
+    <folder>/heads/             orbax StandardCheckpointer item
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+
+from ee_jax.errors import ModelLoadError
+from ee_jax.models import exits
+from ee_jax.models.config import ModelConfig
+
+CONFIG = "exit_config.json"
+
+
+def _model_id(cfg: ModelConfig) -> dict:
+    return {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size}
+
+
+def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
+                    overwrite: bool = True) -> Path:
+    import orbax.checkpoint as ocp
+
+    exits.check_heads(cfg, ec, heads)
+    path = Path(path).absolute()
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "heads", heads)
+        ckptr.wait_until_finished()
+    meta = {"exit_config": dataclasses.asdict(ec), "model": _model_id(cfg)}
+    (path / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def load_exit_heads(path, cfg: ModelConfig) -> tuple[exits.ExitConfig, dict]:
+    """Restore heads for `cfg`; fails clearly if they were made for another model."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if not (path / CONFIG).is_file():
+        raise ModelLoadError(f"{path} holds no exit heads ({CONFIG} missing); save them with "
+                             f"ee_jax.models.exit_checkpoint.save_exit_heads")
+    meta = json.loads((path / CONFIG).read_text())
+    if meta["model"] != _model_id(cfg):
+        raise exits.ExitConfigError(
+            f"exit heads in {path} were made for a model with {meta['model']}, not "
+            f"{_model_id(cfg)}")
+    d = meta["exit_config"]
+    d["exit_layers"] = tuple(d["exit_layers"])
+    ec = exits.ExitConfig(**d)
+    ec.validate_for(cfg)
+    target = exits.head_shapes(cfg, ec)
+    with ocp.StandardCheckpointer() as ckptr:
+        heads = ckptr.restore(path / "heads", target)
+    exits.check_heads(cfg, ec, heads)
+    return ec, jax.tree.map(lambda a: a, heads)
