@@ -83,12 +83,17 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
         n = n + 1
         if not enabled:
             return n, x, cache, jnp.asarray(False), h_prev, logits
-        is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0)
+        is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
         exited, h_prev, logits = jax.lax.cond(
             is_check, check, lambda n, x, h, lg: (jnp.asarray(False), h, lg),
             n, x, h_prev, logits)
         return n, x, cache, exited, h_prev, logits
 
+    # If the rule cannot be met even by rows that are always confident (e.g. a row with
+    # threshold NEVER under policy "all"), skip every check: no confidence is computed.
+    can_exit = exits.batch_exits(thresholds <= 1.0, active, ec.policy, ec.quorum)
+    if ec.force_exit_layer is not None:
+        can_exit = jnp.asarray(True)
     x = llama.embed(params, tokens)
     init = (jnp.asarray(0, jnp.int32), x, cache, jnp.asarray(False), x[:, 0],
             jnp.zeros((B, V), jnp.float32))
