@@ -46,9 +46,12 @@ class ExitConfig:
 
     threshold: a row is confident at an exit when its confidence >= threshold; must lie in
     [0, 1] (use policy "never" to switch exits off). Per-request thresholds override it.
-    policy "all" (the paper's rule): the batch leaves once every active row is confident.
-    policy "quorum": once at least `quorum` of the active rows are (faster, lossier: the
-    rest take the exit head's token although they were not confident).
+    A row that was confident at some exit check is *done* from then on (it would have
+    left there on its own), so the batch exit layer under policy "all" (the paper's rule)
+    is the latest of the active rows' first confident exits; under policy "quorum" the
+    batch leaves once at least `quorum` of the active rows are done (faster, lossier: the
+    rest take the exit head's token although they were not confident). Exits below
+    `min_exit_layer` are never taken (saturation still records the hidden state there).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
     """
 
@@ -83,6 +86,10 @@ class ExitConfig:
         if self.force_exit_layer is not None and self.force_exit_layer not in self.exit_layers:
             raise ExitConfigError(f"force_exit_layer {self.force_exit_layer} is not one of "
                                   f"the exit layers {self.exit_layers}")
+        if self.force_exit_layer is not None and self.force_exit_layer < self.min_exit_layer:
+            raise ExitConfigError(f"force_exit_layer {self.force_exit_layer} is below "
+                                  f"min_exit_layer {self.min_exit_layer}: that exit is never "
+                                  f"checked, so it could never be taken")
 
     def validate_for(self, cfg: ModelConfig) -> None:
         bad = [e for e in self.exit_layers if not 1 <= e < cfg.n_layers]
@@ -101,12 +108,10 @@ class ExitConfig:
         return self.measure in VOCAB_MEASURES
 
     def exit_index_table(self, n_layers: int) -> np.ndarray:
-        """[n_layers + 1] int32: slot of exit e in the heads tree, -1 where e is no exit
-        (or below min_exit_layer)."""
+        """[n_layers + 1] int32: slot of exit e in the heads tree, -1 where e is no exit."""
         table = np.full(n_layers + 1, -1, np.int32)
         for slot, e in enumerate(self.exit_layers):
-            if e >= self.min_exit_layer:
-                table[e] = slot
+            table[e] = slot
         return table
 
 

@@ -4,7 +4,8 @@
     while n < L and not exited:                      # lax.while_loop over stacked layers
         x, cache = layer n (writes its K/V at this token's slot)
         n += 1
-        if n is an exit layer: exited = batch_exits(confidence(exit head n, x) >= threshold)
+        if n is an exit layer: done |= confidence(exit head n, x) >= threshold   # per row
+                               exited = batch_exits(done, active)  # all / quorum
     logits = exit head at n if exited else final head
     if exited: back-fill K/V of layers n..L-1 from x (vmapped kv_project, written at the slot)
 
@@ -58,11 +59,11 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
     enabled = ec.enabled
     V = cfg.vocab_size if (enabled and ec.needs_vocab) else 1
 
-    def check(n, x, h_prev, logits):
+    def check(n, x, h_prev, logits, done):
         slot = table[n]
         h = x[:, 0]
         if ec.force_exit_layer is not None:
-            return n == ec.force_exit_layer, h, logits
+            return n == ec.force_exit_layer, h, logits, done
         if ec.needs_vocab:
             logits = exits.exit_logits(params, heads, slot, h, cfg)
             conf = exits.confidence_from_logits(logits, ec.measure)
@@ -70,24 +71,30 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
             conf = exits.saturation(h, h_prev)
         else:
             conf = exits.classifier_confidence(heads, slot, h, cfg)
-        leave = exits.batch_exits(conf >= thresholds, active, ec.policy, ec.quorum)
-        return leave, h, logits
+        counts = n >= ec.min_exit_layer
+        done = done | ((conf >= thresholds) & counts)  # a row once confident stays done
+        leave = exits.batch_exits(done, active, ec.policy, ec.quorum) & counts
+        return leave, h, logits, done
+
+    def skip(n, x, h_prev, logits, done):
+        return jnp.asarray(False), h_prev, logits, done
 
     def cond(carry):
-        n, _, _, exited, _, _ = carry
+        n, _, _, exited, _, _, _ = carry
         return (n < L) & ~exited
 
     def body(carry):
-        n, x, cache, _, h_prev, logits = carry
+        n, x, cache, _, h_prev, logits, done = carry
         x, cache = paged_layer(params, n, x, cache, meta, cfg)
         n = n + 1
         if not enabled:
-            return n, x, cache, jnp.asarray(False), h_prev, logits
+            return n, x, cache, jnp.asarray(False), h_prev, logits, done
         is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
-        exited, h_prev, logits = jax.lax.cond(
-            is_check, check, lambda n, x, h, lg: (jnp.asarray(False), h, lg),
-            n, x, h_prev, logits)
-        return n, x, cache, exited, h_prev, logits
+        if ec.measure != "saturation":  # below min_exit_layer nothing needs computing
+            is_check = is_check & (n >= ec.min_exit_layer)
+        exited, h_prev, logits, done = jax.lax.cond(is_check, check, skip,
+                                                    n, x, h_prev, logits, done)
+        return n, x, cache, exited, h_prev, logits, done
 
     # If the rule cannot be met even by rows that are always confident (e.g. a row with
     # threshold NEVER under policy "all"), skip every check: no confidence is computed.
@@ -96,8 +103,8 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
         can_exit = jnp.asarray(True)
     x = llama.embed(params, tokens)
     init = (jnp.asarray(0, jnp.int32), x, cache, jnp.asarray(False), x[:, 0],
-            jnp.zeros((B, V), jnp.float32))
-    n, x, cache, exited, _, logits = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((B, V), jnp.float32), jnp.zeros((B,), bool))
+    n, x, cache, exited, _, logits, _ = jax.lax.while_loop(cond, body, init)
     h = x[:, 0]
 
     def head_at_exit():

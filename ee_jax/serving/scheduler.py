@@ -169,7 +169,9 @@ class Scheduler:
         for seq in self.running:
             if len(rows) >= max_rows or budget <= 0:
                 break
-            if seq.num_pending > 1:
+            # A prompt token never goes to a decode step: decode may exit early, prefill
+            # always runs at full depth.
+            if seq.num_pending > 1 or seq.num_computed < len(seq.prompt_token_ids):
                 n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
                 if not self.blocks.can_append(seq.seq_id, seq.num_computed + n):
                     continue
