@@ -103,7 +103,9 @@ def _generate(args) -> int:
         print(f"early exit ({ec.policy}, {ec.measure} >= {ec.threshold}, head {ec.head}, "
               f"exits {list(ec.exit_layers)}): batch exit layer per decode step "
               f"{{{s.exit_histogram()}}}; mean layers {s.mean_layers_per_decode_step:.1f} of "
-              f"{L} -> ideal speedup {s.ideal_speedup(L):.2f}x", file=sys.stderr)
+              f"{L} -> ideal speedup {s.ideal_speedup(L):.2f}x; "
+              f"{s.vocab_checks_per_decode_step:.1f} vocabulary projections per step for "
+              f"exit checks (each costs one LM head)", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 

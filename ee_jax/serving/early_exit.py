@@ -50,7 +50,8 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
                       ec: exits.ExitConfig):
     """One decode token per row. tokens: [B, 1]; thresholds: [B] f32.
 
-    Returns (logits [B, V] f32, exit_layer int32 scalar = layers run, cache).
+    Returns (logits [B, V] f32, exit_layer int32 scalar = layers run, vocab_checks int32
+    scalar = exit checks that projected onto the vocabulary (the measure's cost), cache).
     """
     L = cfg.n_layers
     B = tokens.shape[0]
@@ -79,22 +80,25 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
     def skip(n, x, h_prev, logits, done):
         return jnp.asarray(False), h_prev, logits, done
 
+    def cost(is_check):
+        return (is_check & ec.needs_vocab & (ec.force_exit_layer is None)).astype(jnp.int32)
+
     def cond(carry):
-        n, _, _, exited, _, _, _ = carry
+        n, _, _, exited, _, _, _, _ = carry
         return (n < L) & ~exited
 
     def body(carry):
-        n, x, cache, _, h_prev, logits, done = carry
+        n, x, cache, _, h_prev, logits, done, checks = carry
         x, cache = paged_layer(params, n, x, cache, meta, cfg)
         n = n + 1
         if not enabled:
-            return n, x, cache, jnp.asarray(False), h_prev, logits, done
+            return n, x, cache, jnp.asarray(False), h_prev, logits, done, checks
         is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
         if ec.measure != "saturation":  # below min_exit_layer nothing needs computing
             is_check = is_check & (n >= ec.min_exit_layer)
         exited, h_prev, logits, done = jax.lax.cond(is_check, check, skip,
                                                     n, x, h_prev, logits, done)
-        return n, x, cache, exited, h_prev, logits, done
+        return n, x, cache, exited, h_prev, logits, done, checks + cost(is_check)
 
     # If the rule cannot be met even by rows that are always confident (e.g. a row with
     # threshold NEVER under policy "all"), skip every check: no confidence is computed.
@@ -103,8 +107,8 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
         can_exit = jnp.asarray(True)
     x = llama.embed(params, tokens)
     init = (jnp.asarray(0, jnp.int32), x, cache, jnp.asarray(False), x[:, 0],
-            jnp.zeros((B, V), jnp.float32), jnp.zeros((B,), bool))
-    n, x, cache, exited, _, logits, _ = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((B, V), jnp.float32), jnp.zeros((B,), bool), jnp.asarray(0, jnp.int32))
+    n, x, cache, exited, _, logits, _, checks = jax.lax.while_loop(cond, body, init)
     h = x[:, 0]
 
     def head_at_exit():
@@ -118,4 +122,4 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
                              lambda c: c, cache)
     else:
         logits = llama.final_head(params, h, cfg)
-    return logits, n, cache
+    return logits, n, checks, cache

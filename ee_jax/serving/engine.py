@@ -68,6 +68,7 @@ class EngineStats:
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
+    vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
     step_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
     token_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
 
@@ -79,6 +80,10 @@ class EngineStats:
         """L / mean executed layers: the most early exit can give at this exit pattern."""
         m = self.mean_layers_per_decode_step
         return n_layers / m if m else 1.0
+
+    @property
+    def vocab_checks_per_decode_step(self) -> float:
+        return self.vocab_checks / self.num_decode_steps if self.num_decode_steps else 0.0
 
     def exit_histogram(self) -> str:
         """Decode steps per batch exit layer, e.g. '10:4 15:20 30:3'."""
@@ -199,7 +204,7 @@ class LLMEngine:
         result = self.runner.step(batch)
         tokens, logprobs, extra = unpack_results(np.asarray(result))
         dt = time.perf_counter() - t0
-        self._account(schedule, dt, compiles, int(extra[0, 0]))
+        self._account(schedule, dt, compiles, int(extra[0, 0]), int(extra[0, 1]))
         return self._process(schedule, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
@@ -225,8 +230,8 @@ class LLMEngine:
                               else np.inf)
         return b
 
-    def _account(self, schedule: Schedule, dt: float, compiled: bool, exit_layer: int
-                 ) -> None:
+    def _account(self, schedule: Schedule, dt: float, compiled: bool, exit_layer: int,
+                 vocab_checks: int) -> None:
         """Steps that compiled a new program count as compile time, not serving time."""
         s = self.stats
         s.num_steps += 1
@@ -242,6 +247,7 @@ class LLMEngine:
             s.decode_time += 0.0 if compiled else dt
             s.num_decode_tokens += 0 if compiled else len(schedule.rows)
             s.decode_layers_run += exit_layer
+            s.vocab_checks += vocab_checks
             s.step_exit_counts[exit_layer] = s.step_exit_counts.get(exit_layer, 0) + 1
         s.max_pages_used = max(s.max_pages_used, self.blocks.num_used_pages)
 

@@ -120,7 +120,8 @@ class ModelRunner:
     """Owns the params, the cache and the compiled steps; the engine hands it StepBatches.
 
     With an `ExitConfig`, decode steps (one token per row) run the early-exit step; prefill
-    always runs at full depth. Results are [B, 3]: token, logprob (bit-cast), exit layer.
+    always runs at full depth. Results are [B, 4]: token, logprob (bit-cast), the batch's
+    exit layer, and how many exit checks projected onto the vocabulary.
     """
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
@@ -143,7 +144,7 @@ class ModelRunner:
         inp = unpack(shape, buf)
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
         if shape.tokens == 1 and self.exit_config is not None:
-            logits, exit_layer, cache = early_exit_decode(
+            logits, exit_layer, checks, cache = early_exit_decode(
                 params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg,
                 self.exit_config)
         else:
@@ -151,10 +152,11 @@ class ModelRunner:
             h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
             logits = llama.final_head(params, h, self.cfg)
             exit_layer = jnp.asarray(self.cfg.n_layers, jnp.int32)
+            checks = jnp.asarray(0, jnp.int32)
         tokens = sample(logits, sampling_tensors(inp))
         logprobs = token_logprobs(logits, tokens)
-        return cache, pack_results(tokens, logprobs,
-                                   jnp.broadcast_to(exit_layer, tokens.shape))
+        return cache, pack_results(tokens, logprobs, jnp.broadcast_to(exit_layer, tokens.shape),
+                                   jnp.broadcast_to(checks, tokens.shape))
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""
