@@ -1,0 +1,151 @@
+"""Microbenchmarks behind the "where the time goes" notes in docs/benchmarks.md.
+
+    python -m bench.decode_micro
+
+SmolLM2-135M shapes (30 layers, d=576, ffn 1536, 9/3 heads of 64), random f32 data, XLA on
+CPU; each figure is the best of a few runs of all 30 layers.
+
+1. Weight matvec/GEMM: x [B, 576] times 30 stacked [576, 1536] matrices, in the layouts a
+   decode step can use (input-major slices of a stacked array, as the engine does; output-major
+   slices, i.e. `x @ w.T`; unstacked arrays). Reported as weight GB/s.
+2. Decode attention (T = 1) over 30 layers: the engine's paged path (K/V scatter, page gather,
+   `gqa_attention`) on a donated cache, the gather alone, `gqa_attention` on contiguous K/V,
+   and torch's `scaled_dot_product_attention` on the same shapes for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L, D, F, H, K, HD = 30, 576, 1536, 9, 3, 64
+
+
+def best(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def weight_layouts(batches=(1, 2, 8, 32)) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((L, D, F), np.float32)
+    stacked, stacked_t = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.transpose(0, 2, 1)))
+    unstacked = [jnp.asarray(w[i]) for i in range(L)]
+    nbytes = w.nbytes
+
+    def loop(f):
+        return lambda x, ws: jax.lax.fori_loop(0, L, lambda i, a: a + f(x, ws, i).sum(), 0.0)
+
+    variants = {
+        "stacked [D,F], fori, x @ w[i] (engine)": (loop(lambda x, ws, i: x @ ws[i]), stacked),
+        "stacked [F,D], fori, x @ w[i].T": (loop(lambda x, ws, i: x @ ws[i].T), stacked_t),
+        "unstacked [D,F], x @ w": (lambda x, ws: sum((x @ v).sum() for v in ws), unstacked),
+    }
+    for B in batches:
+        x = jnp.ones((B, D), jnp.float32)
+        parts = []
+        for name, (f, ws) in variants.items():
+            t = best(jax.jit(f), x, ws)
+            parts.append(f"{name} {nbytes / t / 1e9:.1f} GB/s")
+        print(f"matmul B={B}: " + "; ".join(parts), flush=True)
+
+
+def attention(shapes=((1, 512), (8, 512), (32, 512), (32, 256))) -> None:
+    from ee_jax.models.llama import gqa_attention
+    from ee_jax.models.registry import load_params
+    from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
+    from ee_jax.serving.kv_cache import allocate_cache, gather_layer
+
+    try:
+        import torch
+        import torch.nn.functional as tF
+        torch.set_num_threads(os.cpu_count() or 1)
+    except ImportError:
+        torch = None
+    cfg, _ = load_params("smollm2-135m-instruct")
+    S, P = 16, 1456
+    cache = allocate_cache(cfg, P, S)
+    rng = np.random.default_rng(0)
+    for B, keys in shapes:
+        W = keys // S
+        ctx = keys - 5
+        table = jnp.asarray((1 + np.arange(B * W).reshape(B, W)) % P, jnp.int32)
+        kv_lens = jnp.full((B,), ctx, jnp.int32)
+        meta = AttentionMetadata(jnp.full((B, 1), ctx - 1, jnp.int32), table, kv_lens)
+        q = jnp.asarray(rng.standard_normal((B, 1, H, HD), np.float32))
+        k_new = jnp.asarray(rng.standard_normal((B, 1, K, HD), np.float32))
+
+        def paged(cache, q, meta=meta, k_new=k_new):
+            def body(i, carry):
+                acc, cache = carry
+                cache = write_kv(cache, i, meta, k_new, k_new)
+                return acc + paged_attention(q, cache, i, meta).sum(), cache
+            return jax.lax.fori_loop(0, L, body, (0.0, cache))
+
+        step = jax.jit(paged, donate_argnums=0)
+        acc, cache = step(cache, q)
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            acc, cache = step(cache, q)
+            jax.block_until_ready(acc)
+            ts.append(time.perf_counter() - t0)
+        t_paged = min(ts)
+
+        def gather(cache, table=table):
+            def body(i, a):
+                k, v = gather_layer(cache, i, table)
+                return a + k.sum() + v.sum()
+            return jax.lax.fori_loop(0, L, body, 0.0)
+
+        t_gather = best(jax.jit(gather), cache)
+        kc = jnp.asarray(rng.standard_normal((L, B, keys, K, HD), np.float32))
+        vc = jnp.asarray(rng.standard_normal((L, B, keys, K, HD), np.float32))
+        mask = jnp.arange(keys)[None, None, :] < kv_lens[:, None, None]
+
+        def contiguous(kc, vc, q, mask=mask):
+            return jax.lax.fori_loop(
+                0, L, lambda i, a: a + gqa_attention(q, kc[i], vc[i], mask).sum(), 0.0)
+
+        t_contig = best(jax.jit(contiguous), kc, vc, q)
+        line = (f"attention B={B} keys={keys} (K/V {2 * L * B * keys * K * HD * 4 / 1e6:.0f} MB):"
+                f" paged step {1e3 * t_paged:.1f} ms; gather alone {1e3 * t_gather:.1f} ms; "
+                f"gqa_attention on contiguous K/V {1e3 * t_contig:.1f} ms")
+        if torch is not None:
+            kt = torch.from_numpy(np.asarray(kc).transpose(0, 1, 3, 2, 4).copy())
+            vt = torch.from_numpy(np.asarray(vc).transpose(0, 1, 3, 2, 4).copy())
+            qt = torch.from_numpy(np.asarray(q).transpose(0, 2, 1, 3).copy())
+
+            def sdpa(kt=kt, vt=vt, qt=qt):
+                with torch.inference_mode():
+                    for i in range(L):
+                        tF.scaled_dot_product_attention(qt, kt[i], vt[i], enable_gqa=True)
+
+            sdpa()
+            tt = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                sdpa()
+                tt.append(time.perf_counter() - t0)
+            line += f"; torch sdpa {1e3 * min(tt):.1f} ms"
+        print(line, flush=True)
+
+
+def main() -> int:
+    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    weight_layouts()
+    attention()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
