@@ -86,7 +86,9 @@ def _generate(args) -> int:
           f"generated {gen} tokens in {wall:.2f}s wall (compile included) -> "
           f"{gen / wall:.1f} tok/s",
           file=sys.stderr)
-    print(f"decode {s.decode_tokens_per_s:.1f} tok/s over {s.num_decode_steps} steps; "
+    step_ms = 1000 * s.decode_step_time
+    print(f"decode {s.decode_tokens_per_s:.1f} tok/s, {step_ms:.1f} ms/step over "
+          f"{s.num_decode_steps} steps; "
           f"prefill {s.num_prompt_tokens} tokens in {s.num_prefill_steps} steps",
           file=sys.stderr)
     if ttfts:

@@ -65,6 +65,7 @@ class EngineStats:
     max_pages_used: int = 0
     compile_time: float = 0.0
     num_compiles: int = 0
+    num_decode_compiles: int = 0
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
@@ -88,6 +89,11 @@ class EngineStats:
     def exit_histogram(self) -> str:
         """Decode steps per batch exit layer, e.g. '10:4 15:20 30:3'."""
         return " ".join(f"{k}:{v}" for k, v in sorted(self.step_exit_counts.items()))
+
+    @property
+    def decode_step_time(self) -> float:
+        """Mean seconds per decode step that did not compile."""
+        return self.decode_time / max(1, self.num_decode_steps - self.num_decode_compiles)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -238,6 +244,7 @@ class LLMEngine:
         if compiled:
             s.compile_time += dt
             s.num_compiles += 1
+            s.num_decode_compiles += schedule.kind == "decode"
         if schedule.kind == "prefill":
             s.num_prefill_steps += 1
             s.prefill_time += 0.0 if compiled else dt
