@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -37,3 +38,26 @@ def dense_greedy(cfg, params, prompt: list[int], max_tokens: int, width: int = 1
         if nxt in stop_ids:
             break
     return out
+
+
+_request_ids = itertools.count()
+
+
+def run_requests(engine, prompts, params) -> list:
+    """Add the prompts to an engine, step until all finish; outputs in prompt order."""
+    from ee_jax.serving.params import SamplingParams
+
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    rids = [f"r{next(_request_ids)}" for _ in prompts]
+    for rid, p, sp in zip(rids, prompts, params, strict=True):
+        engine.add_request(rid, p, sp)
+    done = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "engine did not finish in 10,000 steps"
+    return [done[rid] for rid in rids]

@@ -24,6 +24,7 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape, unpack_results
 from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
 from tests.fakes import tiny_config
+from tests.reference import run_requests
 
 CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128, d 48, GQA 4/2, head_dim 16
 # A larger init scale than tiny_model's gives peaked distributions, so exit confidences
@@ -52,20 +53,7 @@ def make_engine(exit_config=None, exit_heads=None, **kw) -> LLMEngine:
     return LLMEngine(CFG, PARAMS, None, engine_config(**kw), exit_config, exit_heads)
 
 
-def run(engine, prompts, params):
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    rids = [f"ee{next(_ids)}" for _ in prompts]
-    for rid, p, sp in zip(rids, prompts, params, strict=True):
-        engine.add_request(rid, p, sp)
-    done = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[rid] for rid in rids]
+run = run_requests
 
 
 def perturbed_heads(ec, seed=2):

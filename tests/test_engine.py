@@ -8,7 +8,7 @@ import pytest
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
 from tests.fakes import tiny_model
-from tests.reference import dense_greedy
+from tests.reference import dense_greedy, run_requests
 
 CFG, PARAMS = tiny_model(seed=3, eos_token_ids=())
 RNG = np.random.default_rng(0)
@@ -32,21 +32,7 @@ def shared():
     return make_engine()
 
 
-def run(engine, prompts, params):
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    rids = [f"r{next(_ids)}" for _ in prompts]
-    for rid, p, sp in zip(rids, prompts, params, strict=True):
-        engine.add_request(rid, p, sp)
-    done = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        steps += 1
-        assert steps < 10_000
-    return [done[rid] for rid in rids]
+run = run_requests
 
 
 @pytest.fixture(scope="module")
