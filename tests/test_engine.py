@@ -144,3 +144,31 @@ def test_abort_frees_pages(shared):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.blocks.num_used_pages == 0
+
+
+def _dense_next_tokens(prompt, continuation):
+    """Greedy next token after every prefix prompt + continuation[:i], by the dense model."""
+    from tests.reference import _dense_logits_fn
+
+    seq = list(prompt) + list(continuation)
+    buf = np.zeros((1, 128), np.int32)
+    buf[0, :len(seq)] = seq
+    logits = np.asarray(_dense_logits_fn(CFG, 128)(PARAMS, buf))
+    return [int(np.argmax(logits[len(prompt) - 1 + i])) for i in range(len(continuation))]
+
+
+def test_teacher_forcing_feeds_given_tokens_and_reports_predictions(shared):
+    # Forced continuations the model would never choose: the engine must follow them, and
+    # each prediction must be the dense model's greedy token after the same forced prefix.
+    forced = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (7, 3)]
+    prompts = PROMPTS[:2]
+    outs = run(shared, prompts, [greedy(50, forced_tokens=f) for f in forced])
+    for out, p, f in zip(outs, prompts, forced, strict=True):
+        assert out.token_ids == f
+        assert out.finish_reason == "length"
+        assert out.predicted_token_ids == _dense_next_tokens(p, f)
+
+
+def test_forced_tokens_outside_vocabulary_are_refused(shared):
+    with pytest.raises(InvalidRequestError, match="forced_tokens"):
+        shared.add_request("bad-forced", [5, 6], greedy(4, forced_tokens=(3, CFG.vocab_size)))

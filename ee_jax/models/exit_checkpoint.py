@@ -43,8 +43,10 @@ def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
     return path
 
 
-def load_exit_heads(path, cfg: ModelConfig) -> tuple[exits.ExitConfig, dict]:
-    """Restore heads for `cfg`; fails clearly if they were made for another model."""
+def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None = None
+                    ) -> tuple[exits.ExitConfig, dict]:
+    """Restore heads for `cfg`; fails clearly if they were made for another model, or for
+    other exit layers than `exit_layers` (when the caller asks for specific ones)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -58,6 +60,11 @@ def load_exit_heads(path, cfg: ModelConfig) -> tuple[exits.ExitConfig, dict]:
             f"{_model_id(cfg)}")
     d = meta["exit_config"]
     d["exit_layers"] = tuple(d["exit_layers"])
+    if exit_layers is not None and tuple(exit_layers) != d["exit_layers"]:
+        raise exits.ExitConfigError(
+            f"exit heads in {path} were trained for exit layers {list(d['exit_layers'])}, not "
+            f"{list(exit_layers)}: use those exit layers, or tune heads for yours "
+            f"(ee-jax tune)")
     ec = exits.ExitConfig(**d)
     ec.validate_for(cfg)
     target = exits.head_shapes(cfg, ec)

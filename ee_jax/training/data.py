@@ -1,0 +1,211 @@
+"""Tuning and evaluation text that any machine with Python has: no download, no hub.
+
+Two sources (EE-Tuning needs text the model itself finds natural, so its final layer's
+distribution is a good teacher):
+
+* the Python standard library's own sources (code and docstrings) — `stdlib_documents`;
+* instructions built from the standard library's documented functions — `instructions` —
+  which the model answers itself (`ee_jax.training.generate`), giving chat-formatted text in
+  the model's own words, the distribution it will serve.
+
+Both are split deterministically by a hash of the item, so "eval" items are never trained on.
+HumanEval is an evaluation set only and is never read here.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sysconfig
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+Split = str  # "train" | "eval"
+EVAL_PERCENT = 10
+# Folders of the standard library that are tests, vendored data or platform tools.
+_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "idlelib",
+               "turtledemo", "__pycache__", "ensurepip", "pydoc_data", "encodings"}
+
+
+def _split_of(key: str) -> Split:
+    return "eval" if zlib.crc32(key.encode()) % 100 < EVAL_PERCENT else "train"
+
+
+def _check_split(split: Split) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[Path, ...]:
+    root = stdlib_dir()
+    files = [f for f in root.rglob("*.py")
+             if not _SKIP_PARTS.intersection(f.relative_to(root).parts)]
+    return tuple(sorted(files))
+
+
+def stdlib_documents(split: Split, max_chars: int = 6000) -> Iterator[str]:
+    """Source files of the standard library (split by file), cut into pieces of at most
+    `max_chars` at top-level definition boundaries, in a fixed order."""
+    _check_split(split)
+    root = stdlib_dir()
+    for f in _stdlib_files():
+        rel = str(f.relative_to(root))
+        if _split_of(rel) != split:
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        yield from _pieces(text, max_chars)
+
+
+def _pieces(text: str, max_chars: int) -> Iterator[str]:
+    """Cut at lines that start a top-level statement, so pieces are whole definitions."""
+    piece: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        starts = line[:1] not in (" ", "\t", "\n", "") and size > 0
+        if starts and size + len(line) > max_chars:
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+    if piece and size:
+        yield "".join(piece)[:max_chars * 2]
+
+
+@functools.lru_cache(maxsize=1)
+def _documented_functions() -> tuple[tuple[str, str, str], ...]:
+    """(module, qualified name, first docstring sentence) of public, documented functions."""
+    root = stdlib_dir()
+    out = []
+    for f in _stdlib_files():
+        rel = f.relative_to(root).with_suffix("")
+        if any(p.startswith("_") for p in rel.parts):
+            continue
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
+                continue
+            items = [(node, node.name)]
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                items += [(m, f"{node.name}.{m.name}") for m in node.body
+                          if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)]
+            for fn, name in items:
+                if any(p.startswith("_") for p in name.split(".")):
+                    continue
+                doc = ast.get_docstring(fn)
+                if not doc:
+                    continue
+                first = " ".join(doc.strip().split("\n\n")[0].split())
+                if 20 <= len(first) <= 200:
+                    out.append((module, name, first))
+    return tuple(out)
+
+
+_TEMPLATES = (
+    "Explain what `{module}.{name}` does in Python and show a short example.",
+    "Write a Python function that uses `{module}.{name}`. Its documentation says: {doc}",
+    "How would I use `{name}` from the `{module}` module? Give an example.",
+    "Describe in two or three sentences what this Python function does: {doc}",
+    "Write a small Python script that demonstrates `{module}.{name}`, with comments.",
+    "What is `{module}.{name}` for, and when should I avoid it?",
+)
+
+
+def _render(m: str, n: str, d: str) -> str:
+    template = _TEMPLATES[zlib.crc32(f"{m}.{n}".encode()) % len(_TEMPLATES)]
+    return template.format(module=m, name=n, doc=d)
+
+
+def _held_out(train: list[str], held: list[str]) -> list[str]:
+    """Eval items minus any text that also occurs in train (two functions can share a
+    docstring or a header): evaluation text is never trained on."""
+    seen = set(train)
+    return [x for x in dict.fromkeys(held) if x not in seen]
+
+
+def _select(split: Split, pairs: list[tuple[str, str]], limit: int | None, seed: int
+            ) -> list[str]:
+    """pairs: (key, text); split by key, eval made disjoint from train, shuffled by seed."""
+    by = {"train": [], "eval": []}
+    for key, text in pairs:
+        by[_split_of(key)].append(text)
+    items = by["train"] if split == "train" else _held_out(by["train"], by["eval"])
+    order = np.random.default_rng(seed).permutation(len(items))
+    return [items[i] for i in order[:limit]]
+
+
+def instructions(split: Split, limit: int | None = None, seed: int = 0) -> list[str]:
+    """Instructions about documented standard-library functions, one template each, split
+    by function (an eval function never appears in a train instruction), shuffled by seed."""
+    _check_split(split)
+    return _select(split, [(f"{m}.{n}", _render(m, n, d)) for m, n, d in
+                           _documented_functions()], limit, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def _function_headers() -> tuple[tuple[str, str], ...]:
+    """(key, source) of documented top-level standard-library functions: the `def` line(s)
+    and the docstring, without the body — a code-completion prompt in HumanEval's shape."""
+    root = stdlib_dir()
+    out = []
+    for f in _stdlib_files():
+        rel = f.relative_to(root).with_suffix("")
+        if any(p.startswith("_") for p in rel.parts):
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in tree.body:
+            if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_")
+                    or ast.get_docstring(node) is None or len(node.body) < 2
+                    or node.decorator_list):
+                continue
+            doc = node.body[0]
+            header = "".join(lines[node.lineno - 1:doc.end_lineno])
+            if 60 <= len(header) <= 1200:
+                out.append((f"{'.'.join(rel.parts)}.{node.name}", header))
+    return tuple(out)
+
+
+def code_prompts(split: Split, limit: int | None = None, seed: int = 0) -> list[str]:
+    """Function signatures with docstrings from the standard library, for the model to
+    complete (its own code, as on HumanEval, without reading HumanEval)."""
+    _check_split(split)
+    return _select(split, list(_function_headers()), limit, seed)
+
+
+def pack(docs: Iterable[Sequence[int]], seq_len: int, sep: int | None,
+         max_sequences: int | None = None) -> np.ndarray:
+    """Concatenate token lists (each followed by `sep` when given) and cut the stream into
+    [N, seq_len] rows; the last partial row is dropped."""
+    rows: list[np.ndarray] = []
+    buf: list[int] = []
+    for doc in docs:
+        buf.extend(doc)
+        if sep is not None:
+            buf.append(sep)
+        while len(buf) >= seq_len:
+            rows.append(np.asarray(buf[:seq_len], np.int32))
+            buf = buf[seq_len:]
+            if max_sequences is not None and len(rows) >= max_sequences:
+                return np.stack(rows)
+    if not rows:
+        return np.zeros((0, seq_len), np.int32)
+    return np.stack(rows)

@@ -1,0 +1,333 @@
+"""EE-Tuning driver: data -> jitted train steps on the exit heads -> orbax checkpoints ->
+heads saved with their ExitConfig (`ee_jax.models.exit_checkpoint`).
+
+    ee-jax tune --config configs/tune-smollm2-135m.yaml
+
+The backbone's params are an argument of the jitted step, never a closure constant, and
+never differentiated: after tuning they are bit-identical to what was loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ee_jax.errors import EEJaxError
+from ee_jax.models import exits
+from ee_jax.models.config import ModelConfig
+from ee_jax.training import data
+from ee_jax.training.losses import LossWeights, exit_losses
+
+
+class TuneConfigError(EEJaxError, ValueError):
+    """A tuning configuration that cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    """Everything a tuning run depends on; a YAML preset fills it (`from_yaml`)."""
+
+    model: str = "smollm2-135m-instruct"
+    # heads
+    exit_layers: tuple[int, ...] = (6, 9, 12, 15, 18, 21, 24, 27)
+    head: str = "mlp"
+    adapter_rank: int = 256
+    measure: str = "classifier"
+    threshold: float = 0.8  # default threshold stored with the heads
+    min_exit_layer: int = 1
+    # data
+    seq_len: int = 256
+    chat_instructions: int = 160  # train instructions the model answers itself
+    code_prompts: int = 160  # stdlib function headers the model completes itself
+    gen_max_tokens: int = 96
+    gen_batch: int = 32
+    stdlib_tokens: int = 40_000  # raw standard-library source, tokens
+    eval_sequences: int = 8  # held-out stdlib sequences scored at the end
+    # optimisation
+    batch_size: int = 2
+    epochs: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    kl_weight: float = 1.0
+    ce_weight: float = 0.1
+    classifier_weight: float = 1.0
+    remat: bool = False  # recompute each exit's logits in the backward pass (less memory)
+    seed: int = 0
+    # output
+    work_dir: str = "runs/tune-smollm2-135m"
+    output: str = "runs/tune-smollm2-135m/exit_heads"
+    checkpoint_every: int = 20
+    max_steps: int | None = None  # cap (tests, smoke runs)
+
+    def __post_init__(self):
+        object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
+        for name in ("seq_len", "batch_size", "epochs", "gen_batch", "adapter_rank"):
+            if getattr(self, name) <= 0:
+                raise TuneConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise TuneConfigError(f"lr must be positive, got {self.lr}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise TuneConfigError(f"tuning config not found: {path}")
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(raw, dict):
+            raise TuneConfigError(f"{path}: expected a mapping of settings")
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise TuneConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+    def exit_config(self) -> exits.ExitConfig:
+        return exits.ExitConfig(exit_layers=self.exit_layers, head=self.head,
+                                measure=self.measure, threshold=self.threshold,
+                                min_exit_layer=self.min_exit_layer,
+                                adapter_rank=self.adapter_rank)
+
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)
+
+    def data_key(self) -> str:
+        keys = ("model", "seq_len", "chat_instructions", "code_prompts", "gen_max_tokens",
+                "stdlib_tokens", "eval_sequences", "seed")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _log(msg: str) -> None:
+    print(f"[ee-jax tune] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- optimisation
+
+
+def make_optimizer(tc: TuneConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay, global-norm clipping; weight decay on the
+    adapter matrices only (not on norms or the classifier)."""
+    warmup = min(tc.warmup_steps, max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tc.lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
+        end_value=tc.lr * 0.1)
+
+    def decay_mask(tree):
+        return {k: jax.tree.map(lambda _: k in ("adapter", "mlp"), v) for k, v in tree.items()}
+
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                       optax.adamw(schedule, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+def make_train_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights,
+                    opt: optax.GradientTransformation, remat: bool):
+    def step(heads, opt_state, params, tokens):
+        (loss, m), grads = jax.value_and_grad(exit_losses, has_aux=True)(
+            heads, params, tokens, cfg, ec, w, remat)
+        updates, opt_state = opt.update(grads, opt_state, heads)
+        return optax.apply_updates(heads, updates), opt_state, loss, m
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
+    return jax.jit(lambda heads, params, tokens: exit_losses(heads, params, tokens, cfg, ec, w,
+                                                             True))
+
+
+# --------------------------------------------------------------------------- data
+
+
+def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(train [N, T], eval [M, T]) int32 token rows, cached in work_dir by a key of the data
+    settings. Train: self-generated chat answers and code completions + stdlib source;
+    eval: held-out stdlib source."""
+    from ee_jax.training.selfgen import self_generate
+
+    work = Path(tc.work_dir)
+    cached = work / f"data-{tc.data_key()}.npz"
+    if cached.exists():
+        z = np.load(cached)
+        _log(f"data from {cached}: train {z['train'].shape}, eval {z['eval'].shape}")
+        return z["train"], z["eval"]
+    tok = model.tokenizer
+    sep = (model.config.eos_token_ids or (None,))[0]
+    items = ([("chat", s) for s in data.instructions("train", tc.chat_instructions, tc.seed)]
+             + [("code", s) for s in data.code_prompts("train", tc.code_prompts, tc.seed)])
+    t0 = time.perf_counter()
+    gen = self_generate(model, items, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
+                        cache=work / "selfgen.jsonl", progress=progress) if items else []
+    _log(f"self-generated text: {len(gen)} items, {sum(map(len, gen))} tokens "
+         f"({time.perf_counter() - t0:.0f}s)")
+
+    def stdlib_ids(split):
+        for doc in data.stdlib_documents(split):
+            yield tok.encode(doc)
+
+    n_std = tc.stdlib_tokens // tc.seq_len
+    std = data.pack(stdlib_ids("train"), tc.seq_len, sep, n_std) if n_std else None
+    own = data.pack(gen, tc.seq_len, sep)
+    train = np.concatenate([a for a in (own, std) if a is not None and len(a)])
+    rng = np.random.default_rng(tc.seed)
+    train = train[rng.permutation(len(train))]
+    held = data.pack(stdlib_ids("eval"), tc.seq_len, sep, tc.eval_sequences)
+    work.mkdir(parents=True, exist_ok=True)
+    np.savez(cached, train=train, eval=held)
+    _log(f"data: {len(own)} self-generated + {0 if std is None else len(std)} stdlib rows of "
+         f"{tc.seq_len} tokens; {len(held)} held-out rows -> {cached}")
+    return train, held
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _manager(work: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (work / "checkpoints").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def _restore(mngr, like: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), like)
+    state = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    return step, state
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class TuneResult:
+    heads: dict
+    exit_config: exits.ExitConfig
+    steps: int
+    history: list[dict]
+    eval_metrics: dict[str, list[float]]
+    output: Path | None
+    seconds: float
+
+
+def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
+         held_out: np.ndarray | None = None, progress: bool = True,
+         save: bool = True) -> TuneResult:
+    """Run (or resume) a tuning run. `model` (a LoadedModel) and the data arrays may be
+    given directly (tests); otherwise they come from `tc`."""
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    from ee_jax.models.exit_checkpoint import save_exit_heads
+    from ee_jax.models.loading import load_model
+
+    t_start = time.perf_counter()
+    if model is None:
+        model = load_model(tc.model, dtype="float32", progress=progress)
+    cfg, params = model.config, model.params
+    ec = tc.exit_config()
+    ec.validate_for(cfg)
+    if train is None:
+        train, held_out = build_data(tc, model, progress)
+    if len(train) < tc.batch_size:
+        raise TuneConfigError(f"only {len(train)} training rows for batch_size "
+                              f"{tc.batch_size}: add data or lower batch_size")
+    steps_per_epoch = len(train) // tc.batch_size
+    total = steps_per_epoch * tc.epochs  # the schedule's length
+    stop = total if tc.max_steps is None else min(total, tc.max_steps)  # an early stop only
+    opt = make_optimizer(tc, total)
+    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    opt_state = opt.init(heads)
+    work = Path(tc.work_dir)
+    history: list[dict] = []
+    start = 0
+    mngr = _manager(work) if save else None
+    if mngr is not None:
+        restored = _restore(mngr, {"heads": heads, "opt_state": opt_state})
+        if restored is not None:
+            start, state = restored
+            heads, opt_state = state["heads"], state["opt_state"]
+            _log(f"resuming from step {start} ({work / 'checkpoints'})")
+    step_fn = make_train_step(cfg, ec, tc.loss_weights(), opt, tc.remat)
+    log_path = work / "loss.jsonl"
+    if save:
+        work.mkdir(parents=True, exist_ok=True)
+    _log(f"{stop} of {total} steps of {tc.batch_size} x {tc.seq_len} tokens on {len(train)} rows; "
+         f"exits {list(ec.exit_layers)}, head {ec.head} (r={ec.adapter_rank}), "
+         f"measure {ec.measure}")
+    bar = tqdm(range(start, stop), desc="tune", unit="step", file=sys.stderr,
+               disable=not progress, initial=start, total=stop)
+    for step in bar:
+        epoch, epoch_step = divmod(step, steps_per_epoch)
+        # a fresh order each epoch, reproducible from the seed (so a resumed run matches)
+        order = np.random.default_rng(tc.seed + epoch).permutation(len(train))
+        rows = order[epoch_step * tc.batch_size:(epoch_step + 1) * tc.batch_size]
+        t0 = time.perf_counter()
+        heads, opt_state, loss, m = step_fn(heads, opt_state, params,
+                                            jnp.asarray(train[rows]))
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise EEJaxError(f"tuning diverged at step {step} (loss {loss}); lower lr or "
+                             f"raise warmup_steps")
+        rec = {"step": step + 1, "loss": loss, "seconds": time.perf_counter() - t0,
+               **{k: np.asarray(v).round(4).tolist() for k, v in m.items()}}
+        history.append(rec)
+        bar.set_postfix(loss=f"{loss:.3f}", agree=f"{np.mean(rec['agree']):.3f}")
+        if save:
+            with log_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == stop:
+                mngr.save(step + 1, args=ocp.args.StandardSave(
+                    {"heads": heads, "opt_state": opt_state}))
+    bar.close()
+    if mngr is not None:
+        mngr.wait_until_finished()
+        mngr.close()
+    eval_metrics = evaluate_heads(cfg, ec, tc.loss_weights(), params, heads, held_out)
+    if eval_metrics:
+        _log("held-out top-1 agreement with the final layer per exit: " + ", ".join(
+            f"{e}:{a:.3f}" for e, a in zip(ec.exit_layers, eval_metrics["agree"],
+                                           strict=True)))
+    out = None
+    if save:
+        out = save_exit_heads(tc.output, cfg, ec, heads)
+        (Path(tc.output) / "tune_config.json").write_text(
+            json.dumps(dataclasses.asdict(tc), indent=2) + "\n")
+        _log(f"exit heads -> {out}")
+    secs = time.perf_counter() - t_start
+    _log(f"done in {secs / 60:.1f} min")
+    return TuneResult(heads, ec, stop, history, eval_metrics, out, secs)
+
+
+def evaluate_heads(cfg, ec, w, params, heads, rows: np.ndarray | None,
+                   batch: int = 2) -> dict[str, list[float]]:
+    """Mean per-exit metrics (kl, ce, agree, ...) over held-out rows."""
+    if rows is None or not len(rows):
+        return {}
+    fn = make_eval_step(cfg, ec, w)
+    acc: dict[str, list] = {}
+    for i in range(0, len(rows) - batch + 1, batch):
+        _, m = fn(heads, params, jnp.asarray(rows[i:i + batch]))
+        for k, v in m.items():
+            acc.setdefault(k, []).append(np.asarray(v))
+    return {k: np.mean(v, axis=0).tolist() for k, v in acc.items()}
