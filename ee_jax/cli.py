@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -46,9 +47,13 @@ def _generate(args) -> int:
     from ee_jax.serving.params import SamplingParams
 
     items = _read_prompts(args)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, page_size=args.page_size,
-              num_pages=args.num_pages, **_exit_kwargs(args))
+    from ee_jax.models.loading import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              page_size=args.page_size, num_pages=args.num_pages, **_exit_kwargs(args, model))
+    llm.load_time = time.perf_counter() - t0
     tok = llm.tokenizer
     prompts = []
     for it in items:
@@ -111,26 +116,112 @@ def _generate(args) -> int:
     return 0 if all(o.error is None for o in outs) else 1
 
 
-def _exit_kwargs(args) -> dict:
-    """ExitConfig (and trained heads) from the --exit-* flags; {} when exits are off."""
+def _exit_kwargs(args, model) -> dict:
+    """ExitConfig and heads from the --exit-* flags. Default: the heads shipped for a registry
+    model (SmolLM2); --exit-heads loads others; --exit-layers builds untrained norm heads."""
     from ee_jax.models import exits
     from ee_jax.models.exit_checkpoint import load_exit_heads
-    from ee_jax.models.loading import load_model
 
+    if not args.early_exit:
+        return {"early_exit": False}
+    overrides = {k: v for k, v in (("threshold", args.exit_threshold),
+                                   ("policy", args.exit_policy)) if v is not None}
+    layers = (tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
+              if args.exit_layers else None)
+    trained = None
     if args.exit_heads:
-        model = load_model(args.model, dtype=args.dtype)
-        ec, heads = load_exit_heads(args.exit_heads, model.config)
-        overrides = {k: v for k, v in (("threshold", args.exit_threshold),
-                                       ("policy", args.exit_policy)) if v is not None}
-        return {"exit_config": exits.ExitConfig(**{**ec.__dict__, **overrides}),
-                "exit_heads": heads}
-    if not args.exit_layers:
-        return {}
-    layers = tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
+        trained = load_exit_heads(args.exit_heads, model.config, layers)
+    elif layers is None:
+        trained = model.shipped_exit_heads()
+    if trained is not None:
+        ec, heads = trained
+        return {"exit_config": dataclasses.replace(ec, **overrides), "exit_heads": heads}
+    if layers is None:
+        return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = exits.ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
                           threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
                           policy=args.exit_policy or "all")
     return {"exit_config": ec}
+
+
+def _tune(args) -> int:
+    from ee_jax.training.tune import TuneConfig, tune
+
+    tc = TuneConfig.from_yaml(args.config, max_steps=args.max_steps, work_dir=args.work_dir,
+                              output=args.output)
+    res = tune(tc, progress=not args.quiet)
+    print(json.dumps({"output": str(res.output), "steps": res.steps,
+                      "minutes": round(res.seconds / 60, 1),
+                      "held_out_agreement": dict(zip(res.exit_config.exit_layers,
+                                                     res.eval_metrics.get("agree", []),
+                                                     strict=False))}))
+    return 0
+
+
+def _eval(args) -> int:
+    from ee_jax.evaluation.evaluate import evaluate
+
+    evaluate(_eval_options(args))
+    return 0
+
+
+def _eval_options(args):
+    """EvalOptions from the `eval` flags, with the full command that reproduces the run."""
+    from ee_jax.evaluation.evaluate import EvalOptions, default_policies
+
+    policies = tuple(args.policies or default_policies())
+    command = ["ee-jax eval", f"--model {args.model}", f"--dtype {args.dtype}",
+               f"--max-tokens {args.max_tokens}", "--batches " + " ".join(map(str, args.batches)),
+               "--thresholds " + " ".join(f"{t:g}" for t in args.thresholds),
+               "--policies " + " ".join(policies), "--workloads " + " ".join(args.workloads),
+               f"--dense-tokens {args.dense_tokens}", f"--out-dir {args.out_dir}"]
+    command += [f"--exit-heads {args.exit_heads}"] * bool(args.exit_heads)
+    command += [f"--limit {args.limit}"] * (args.limit is not None)
+    command += [f"--round-size {args.round_size}"] * (args.round_size is not None)
+    for flag in ("ignore_eos", "skip_dense", "skip_e2e", "no_nll"):
+        command += [f"--{flag.replace('_', '-')}"] * bool(getattr(args, flag))
+    return EvalOptions(
+        model=args.model, dtype=args.dtype, exit_heads=args.exit_heads, limit=args.limit,
+        max_tokens=args.max_tokens, batches=tuple(args.batches),
+        thresholds=tuple(args.thresholds), policies=policies, workloads=tuple(args.workloads),
+        ignore_eos=args.ignore_eos, round_size=args.round_size,
+        dense_tokens=args.dense_tokens, skip_dense=args.skip_dense, skip_e2e=args.skip_e2e,
+        nll=not args.no_nll, out_dir=args.out_dir, progress=not args.quiet,
+        command=" ".join(command))
+
+
+def _add_eval_parser(sub) -> None:
+    v = sub.add_parser("eval", help="measure early exit's speed and quality; writes "
+                       "eval.md and plots into --out-dir")
+    v.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, .gguf file, HF folder or ee-jax checkpoint")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--exit-heads", default=None, help="folder of tuned exit heads "
+                   "(default: the heads shipped with the model)")
+    v.add_argument("--limit", type=int, default=None, help="prompts per workload (default: "
+                   "all 164 HumanEval prompts, as many instructions)")
+    v.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    v.add_argument("--batches", type=int, nargs="+", default=[1, 8],
+                   help="batch sizes (max_num_seqs) to serve at")
+    v.add_argument("--thresholds", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9, 0.95],
+                   help="exit thresholds (per request; also the simulation's)")
+    v.add_argument("--policies", nargs="+", default=None,
+                   help="exit policies to sweep (default: all, quorum, and per_row where the "
+                   "engine has it)")
+    v.add_argument("--workloads", nargs="+", default=["humaneval", "instructions"],
+                   choices=["humaneval", "instructions"])
+    v.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-tokens tokens")
+    v.add_argument("--round-size", type=int, default=None,
+                   help="prompts per interleaving round (default 4 x batch, at least 8)")
+    v.add_argument("--dense-tokens", type=int, default=16384,
+                   help="held-out tokens per corpus for the per-layer measurements")
+    v.add_argument("--skip-dense", action="store_true", help="no per-layer measurements")
+    v.add_argument("--skip-e2e", action="store_true", help="no end-to-end sweep")
+    v.add_argument("--no-nll", action="store_true", help="skip the full model's NLL")
+    v.add_argument("--out-dir", default="docs")
+    v.add_argument("--quiet", action="store_true", help="no progress bars")
+    v.set_defaults(func=_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,20 +247,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
     e = g.add_argument_group("early exit")
+    e.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
+                   help="early exit with the model's shipped heads (default on where a model "
+                   "ships them); --no-early-exit runs every token at full depth")
     e.add_argument("--exit-layers", help="comma-separated exit layers (layers run before the "
-                   "exit), e.g. 8,12,16,20,24; off by default")
+                   "exit), e.g. 8,12,16,20,24: untrained norm heads there, unless "
+                   "--exit-heads gives trained ones for exactly these layers")
     e.add_argument("--exit-threshold", type=float, default=None,
                    help="confidence needed to exit, in [0, 1] (default 0.9)")
-    e.add_argument("--exit-policy", choices=["all", "quorum", "never"], default=None,
-                   help="all: the batch exits when every row is confident (default)")
+    e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
+                   default=None, help="all: the batch exits when every row is confident "
+                   "(default); per_row: each row exits at its own first confident exit")
     e.add_argument("--confidence", default="max_prob",
                    choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
-    e.add_argument("--exit-head", default="norm", choices=["norm", "adapter"])
-    e.add_argument("--exit-heads", help="folder of trained exit heads (save_exit_heads); "
-                   "its exit config is used, --exit-threshold/--exit-policy override")
+    e.add_argument("--exit-head", default="norm", choices=["norm", "adapter", "mlp"])
+    e.add_argument("--exit-heads", help="folder of trained exit heads (ee-jax tune); its exit "
+                   "config is used, --exit-threshold/--exit-policy override; default: the "
+                   "heads shipped with the model")
     g.add_argument("--json", action="store_true", help="print one JSON object per output")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)
+
+    t = sub.add_parser("tune", help="train exit heads on a frozen model (EE-Tuning)")
+    t.add_argument("--config", required=True, help="YAML preset, e.g. "
+                   "configs/tune-smollm2-135m.yaml")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--work-dir", default=None, help="data cache, loss log, checkpoints "
+                   "(resumed from when present)")
+    t.add_argument("--output", default=None, help="folder for the trained heads")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_tune)
+    _add_eval_parser(sub)
     return p
 
 

@@ -348,7 +348,7 @@ def test_batch_exits_matches_numpy_model(rows, policy, quorum):
         want = False
     elif n_active == 0:
         want = True  # an all-padding batch has no one to wait for
-    elif policy == "all":
+    elif policy in ("all", "per_row"):  # per_row: the step ends when every row has left
         want = n_conf == n_active
     else:
         want = n_conf >= quorum * n_active
@@ -565,7 +565,7 @@ def test_exit_layer_out_of_range(bad):
     (dict(threshold=1.5), "threshold"),
     (dict(threshold=float("nan")), "threshold"),
     (dict(measure="perplexity"), "measure"),
-    (dict(head="mlp"), "head"),
+    (dict(head="transformer"), "head"),
     (dict(policy="any"), "policy"),
     (dict(quorum=0.0), "quorum"),
     (dict(force_exit_layer=2, exit_layers=(1, 3)), "force_exit_layer"),

@@ -89,7 +89,7 @@ def test_heads_for_other_exit_layers_or_model_are_refused(tmp_path):
 def test_tune_config_yaml_rejects_unknown_settings(tmp_path):
     p = tmp_path / "t.yaml"
     p.write_text("exit_layers: [1, 2]\nlearning_rate: 0.1\n")
-    with pytest.raises(TuneConfigError, match="unknown settings.*learning_rate"):
+    with pytest.raises(TuneConfigError, match=r"unknown settings.*learning_rate"):
         TuneConfig.from_yaml(p)
     with pytest.raises(TuneConfigError, match="not found"):
         TuneConfig.from_yaml(tmp_path / "missing.yaml")

@@ -6,11 +6,16 @@ leading exit axis in the order of `ExitConfig.exit_layers`:
 
     norm        [E, D]        per-exit RMSNorm weight (EE-LLM's default head; no training needed)
     adapter/    down [E, D, r], up [E, r, D]     (head "adapter": residual low-rank adapter)
+    mlp/        down [E, D, r], up [E, r, D]     (head "mlp": residual SiLU MLP of width r)
     classifier/ w [E, D], b [E]                  (measure "classifier": CALM's learned "meta")
 
 Every head ends in the model's own LM head (`llama.unembed`), so an exit adds no vocabulary
 matrix. Measures that need no vocabulary projection (saturation, classifier) let the decode
 step skip the projection at exit checks where the batch does not leave.
+
+Policies: "all" (the paper's batch-wide rule), "quorum", "never", and "per_row": every row
+leaves at its own first confident exit and takes that exit's head, while the rows still
+running are compacted into smaller row buckets (`ee_jax.serving.early_exit.per_row_decode`).
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ from ee_jax.errors import EEJaxError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 
-HeadType = Literal["norm", "adapter"]
+HeadType = Literal["norm", "adapter", "mlp"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier"]
-Policy = Literal["all", "quorum", "never"]
+Policy = Literal["all", "quorum", "never", "per_row"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
-HEADS = ("norm", "adapter")
-POLICIES = ("all", "quorum", "never")
+HEADS = ("norm", "adapter", "mlp")
+POLICIES = ("all", "quorum", "never", "per_row")
 NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
 
 
@@ -50,8 +55,14 @@ class ExitConfig:
     left there on its own), so the batch exit layer under policy "all" (the paper's rule)
     is the latest of the active rows' first confident exits; under policy "quorum" the
     batch leaves once at least `quorum` of the active rows are done (faster, lossier: the
-    rest take the exit head's token although they were not confident). Exits below
-    `min_exit_layer` are never taken (saturation still records the hidden state there).
+    rest take the exit head's token although they were not confident). Under policy
+    "per_row" each row leaves at its own first confident exit and takes that exit's head; the
+    step ends when every active row has left. Exits below `min_exit_layer` are never taken
+    (saturation still records the hidden state there).
+    min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
+    into (buckets are B, B/2, ..., min_row_bucket). On accelerators a layer over one row
+    costs about what it costs over eight (weight reads dominate), so raising it there saves
+    compile time and gathers for nothing lost.
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
     """
 
@@ -64,6 +75,7 @@ class ExitConfig:
     quorum: float = 0.75
     adapter_rank: int = 64
     force_exit_layer: int | None = None
+    min_row_bucket: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
@@ -81,6 +93,9 @@ class ExitConfig:
         if not (0.0 <= self.threshold <= 1.0 or self.threshold == NEVER):
             raise ExitConfigError(f"threshold must be in [0, 1] (or exits.NEVER), got "
                                   f"{self.threshold}; to disable exits use policy='never'")
+        if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
+            raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
+                                  f"{self.min_row_bucket!r}")
         if not 0.0 < self.quorum <= 1.0:
             raise ExitConfigError(f"quorum must be in (0, 1], got {self.quorum}")
         if self.force_exit_layer is not None and self.force_exit_layer not in self.exit_layers:
@@ -107,6 +122,21 @@ class ExitConfig:
     def needs_vocab(self) -> bool:
         return self.measure in VOCAB_MEASURES
 
+    @property
+    def first_exit(self) -> int | None:
+        """The lowest exit layer that can ever be taken (None: none can)."""
+        if self.force_exit_layer is not None:
+            return self.force_exit_layer
+        return next((e for e in self.exit_layers if e >= self.min_exit_layer), None)
+
+    def row_buckets(self, batch: int) -> tuple[int, ...]:
+        """Static row buckets of policy "per_row" for a batch of `batch` rows, largest first:
+        ceil(batch / 2**k) down to min_row_bucket (always holding `batch` itself)."""
+        sizes = [batch]
+        while sizes[-1] > 1 and -(-sizes[-1] // 2) >= self.min_row_bucket:
+            sizes.append(-(-sizes[-1] // 2))
+        return tuple(sizes)
+
     def exit_index_table(self, n_layers: int) -> np.ndarray:
         """[n_layers + 1] int32: slot of exit e in the heads tree, -1 where e is no exit."""
         table = np.full(n_layers + 1, -1, np.int32)
@@ -126,9 +156,9 @@ def every(n_layers: int, step: int, start: int | None = None) -> tuple[int, ...]
 def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
     E, D, dt = len(ec.exit_layers), cfg.d_model, cfg.jnp_dtype
     tree: dict[str, Any] = {"norm": jax.ShapeDtypeStruct((E, D), dt)}
-    if ec.head == "adapter":
+    if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
-        tree["adapter"] = {"down": jax.ShapeDtypeStruct((E, D, r), dt),
+        tree[ec.head] = {"down": jax.ShapeDtypeStruct((E, D, r), dt),
                            "up": jax.ShapeDtypeStruct((E, r, D), dt)}
     if ec.measure == "classifier":
         tree["classifier"] = {"w": jax.ShapeDtypeStruct((E, D), jnp.float32),
@@ -143,9 +173,9 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
     E, D = len(ec.exit_layers), cfg.d_model
     key = jax.random.PRNGKey(0) if key is None else key
     heads: dict[str, Any] = {"norm": jnp.broadcast_to(params["final_norm"], (E, D)).copy()}
-    if ec.head == "adapter":
+    if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
-        heads["adapter"] = {
+        heads[ec.head] = {
             "down": (jax.random.normal(key, (E, D, r)) / np.sqrt(D)).astype(cfg.jnp_dtype),
             "up": jnp.zeros((E, r, D), cfg.jnp_dtype)}
     if ec.measure == "classifier":
@@ -181,12 +211,25 @@ def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     if "adapter" in heads:
         ad = _slot(heads["adapter"], slot)
         hn = hn + (hn @ ad["down"]) @ ad["up"]
+    if "mlp" in heads:
+        ad = _slot(heads["mlp"], slot)
+        hn = hn + jax.nn.silu(hn @ ad["down"]) @ ad["up"]
     return hn
 
 
 def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfig):
     """Logits [..., V] (f32) of exit `slot` for hidden states h [..., D]."""
     return llama.unembed(params, exit_hidden(heads, slot, h, cfg), cfg)
+
+
+def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
+                    cfg: ModelConfig) -> jax.Array:
+    """Logits [B, V] (f32) with a head per row: row b's exit `slots[b]`, or the final head
+    where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
+    own head weights); the vocabulary projection is one matmul shared by all rows."""
+    hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
+    final = llama.rms_norm(h, params["final_norm"], cfg.rms_eps)
+    return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
 
 
 def confidence_from_logits(logits: jax.Array, measure: str) -> jax.Array:
@@ -211,19 +254,25 @@ def saturation(h: jax.Array, h_prev: jax.Array) -> jax.Array:
     return jnp.clip(cos, 0.0, 1.0)
 
 
-def classifier_confidence(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+def classifier_logit(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The learned confidence before the sigmoid (what tuning's BCE loss sees)."""
     c = _slot(heads["classifier"], slot)
     hn = llama.rms_norm(h, _slot(heads["norm"], slot), cfg.rms_eps).astype(jnp.float32)
-    return jax.nn.sigmoid(hn @ c["w"] + c["b"])
+    return hn @ c["w"] + c["b"]
+
+
+def classifier_confidence(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return jax.nn.sigmoid(classifier_logit(heads, slot, h, cfg))
 
 
 def batch_exits(confident: jax.Array, active: jax.Array, policy: str, quorum: float
                 ) -> jax.Array:
     """Whether the batch leaves now. confident, active: [B] bool. Padding rows (inactive)
-    never hold the batch back; a batch with no active row leaves at the first check."""
+    never hold the batch back; a batch with no active row leaves at the first check.
+    Under "per_row" a row leaves when it is confident, so the step ends as under "all"."""
     if policy == "never":
         return jnp.asarray(False)
-    if policy == "all":
+    if policy in ("all", "per_row"):
         return jnp.all(confident | ~active)
     n_active = jnp.sum(active)
     n_conf = jnp.sum(confident & active)

@@ -1,5 +1,7 @@
 """The early-exit decode step over the paged cache (DESIGN.md section 5).
 
+Policies "all" / "quorum" (`early_exit_decode`): the batch leaves together.
+
     x = embed(tokens)
     while n < L and not exited:                      # lax.while_loop over stacked layers
         x, cache = layer n (writes its K/V at this token's slot)
@@ -9,40 +11,74 @@
     logits = exit head at n if exited else final head
     if exited: back-fill K/V of layers n..L-1 from x (vmapped kv_project, written at the slot)
 
-One compiled program serves every exit outcome. The batch exit layer comes back to the
-host with the sampled tokens.
+Policy "per_row" (`per_row_decode`): every row leaves at its own first confident exit.
+
+    rows still running sit at the front of the loop state (compacted order, `perm` maps back)
+    while n < L and some row runs:
+        layer n on the first `bucket` rows only     # lax.switch over static row buckets
+        n += 1
+        if n is an exit layer: rows that are confident now leave: their hidden state and
+            exit layer are recorded at their original row; their kv_lens in the loop state
+            become 0, so while they ride along as padding inside a bucket they write to the
+            null page and attend to nothing
+            cost model: compact (gather the running rows to the front) only if they then fit
+            a smaller bucket
+    logits = one LM head for all rows, each row normed/adapted by its own exit head
+             (final norm for rows that ran to L)
+    back-fill, per row: layers >= that row's exit layer get kv_project of its exit state
+
+Row buckets are B, ceil(B/2), ..., down to `ExitConfig.min_row_bucket` (1 by default). The
+cost model, per exit check: after confident rows leave, let `count` be the rows still
+running; gather them to the front iff the smallest bucket holding `count` is smaller than the
+current one (i.e. count <= current/2 for power-of-two buckets). Otherwise nothing moves: the
+rows that left stay where they are as padding, so a layer never pays for a gather that does
+not shrink it. A gather moves [B, D] hidden states and [B, W] page tables — small next to a
+layer — and happens at most log2(B) times per step; the layer work it saves is
+(old bucket - new bucket) rows for every remaining layer. On CPU a layer's cost is nearly
+proportional to its rows; on accelerators at small buckets weight reads dominate, which is
+what `min_row_bucket` is for.
+
+One compiled program per step shape serves every exit pattern (all buckets are branches of
+the same program); nothing goes back to the host inside the step. The exit layers (per row
+under "per_row", the batch's under the other policies) come back with the sampled tokens.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.paged_model import paged_layer
 
 
 def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,
-             cfg: ModelConfig) -> KVCache:
+             cfg: ModelConfig, first: int = 0) -> KVCache:
     """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D].
 
-    vmapped over all layers with the writes of layers < n_done sent to the null page, so
-    the shapes are static; only the token's slots are touched (a scatter, in place).
+    n_done: a scalar (the batch's exit layer) or [B] (each row's). vmapped over layers
+    first..L-1 (`first`, static: the lowest exit that can be taken, below which nothing is
+    ever skipped) with the writes of layers < n_done sent to the null page, so the shapes
+    are static; only the token's slots are touched (a scatter, in place).
     """
     L = cfg.n_layers
+    layers = jax.tree.map(lambda a: a[first:], params["layers"])
     ks, vs = jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(
-        params["layers"])  # [L, B, T, K, hd]
+        layers)  # [L - first, B, T, K, hd]
     pages, offsets = meta.write_slots(cache.page_size)  # [B, T]
-    layer_ids = jnp.arange(L, dtype=jnp.int32)
-    skipped = (layer_ids >= n_done)[:, None, None]  # [L, 1, 1]
-    pages = jnp.where(skipped, pages[None], NULL_PAGE)  # [L, B, T]
-    layers = jnp.broadcast_to(layer_ids[:, None, None], pages.shape)
+    layer_ids = jnp.arange(first, L, dtype=jnp.int32)
+    n_done = jnp.reshape(jnp.asarray(n_done, jnp.int32), (-1, 1))  # [1 or B, 1]
+    skipped = layer_ids[:, None, None] >= n_done[None]  # [L - first, 1 or B, 1]
+    pages = jnp.where(skipped, pages[None], NULL_PAGE)  # [L - first, B, T]
+    layer_idx = jnp.broadcast_to(layer_ids[:, None, None], pages.shape)
     offsets = jnp.broadcast_to(offsets[None], pages.shape)
-    return KVCache(cache.k.at[layers, pages, offsets].set(ks.astype(cache.k.dtype)),
-                   cache.v.at[layers, pages, offsets].set(vs.astype(cache.v.dtype)))
+    return KVCache(cache.k.at[layer_idx, pages, offsets].set(ks.astype(cache.k.dtype)),
+                   cache.v.at[layer_idx, pages, offsets].set(vs.astype(cache.v.dtype)))
 
 
 def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
@@ -118,8 +154,171 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
 
     if enabled:
         logits = jax.lax.cond(exited, head_at_exit, lambda: llama.final_head(params, h, cfg))
-        cache = jax.lax.cond(exited, lambda c: backfill(params, c, x, n, meta, cfg),
+        first = ec.first_exit or 0
+        cache = jax.lax.cond(exited, lambda c: backfill(params, c, x, n, meta, cfg, first),
                              lambda c: c, cache)
     else:
         logits = llama.final_head(params, h, cfg)
     return logits, n, checks, cache
+
+
+# --------------------------------------------------------------------------- policy "per_row"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Loop state of `per_row_decode`. Fields marked (c) are in compacted order: slot c holds
+    original row perm[c]; the running rows occupy slots < sizes[bucket]."""
+
+    n: jax.Array  # int32: layers run
+    x: jax.Array  # (c) [B, 1, D] hidden states
+    h_prev: jax.Array  # (c) [B, D] hidden state at the previous exit check (saturation)
+    perm: jax.Array  # (c) [B] int32: original row of each slot
+    running: jax.Array  # (c) [B] bool
+    meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
+    bucket: jax.Array  # int32: index into the static row buckets of the rows the layers run on
+    h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
+    exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
+    checks: jax.Array  # int32: exit checks that projected onto the vocabulary
+    work: jax.Array  # int32: row-layers computed (bucket rows summed over layers)
+
+
+def _take_rows(meta: AttentionMetadata, rows, kv_mask) -> AttentionMetadata:
+    """meta of `rows` (an index array or a static prefix slice), kv_lens zeroed where ~kv_mask."""
+    return AttentionMetadata(meta.positions[rows], meta.page_table[rows],
+                             jnp.where(kv_mask, meta.kv_lens[rows], 0))
+
+
+def per_row_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
+                   meta: AttentionMetadata, thresholds: jax.Array, cfg: ModelConfig,
+                   ec: exits.ExitConfig):
+    """Policy "per_row": one decode token per row, each row leaving at its own first
+    confident exit; the layers run only on the smallest row bucket holding the rows still
+    running (module docstring). tokens: [B, 1]; thresholds: [B] f32.
+
+    Returns (logits [B, V] f32, exit_layers [B] int32 (layers each row ran; 0 for padding
+    rows), vocab_checks int32 scalar, row_layers int32 scalar = rows the layers actually ran
+    on, summed over layers (padding rows in a bucket included), cache).
+    """
+    L = cfg.n_layers
+    B = tokens.shape[0]
+    sizes = ec.row_buckets(B)
+    size_arr = jnp.asarray(sizes, jnp.int32)
+    table = jnp.asarray(ec.exit_index_table(L))
+    active = meta.kv_lens > 0  # padding rows have no keys: they never run
+    force = ec.force_exit_layer
+    # Rows whose threshold no confidence reaches never leave early: with none that can,
+    # no check is computed at all.
+    can_exit = jnp.asarray(True) if force is not None else jnp.any(active & (thresholds <= 1.0))
+
+    def bucket_for(count):
+        """Index of the smallest bucket holding `count` rows (sizes are decreasing)."""
+        return (jnp.sum(size_arr >= count) - 1).astype(jnp.int32)
+
+    def on_bucket(fn, s: _Rows, *args):
+        """fn(size, *args) run on the current bucket's static size (lax.switch)."""
+        if len(sizes) == 1:
+            return fn(sizes[0], *args)
+        return jax.lax.switch(s.bucket, [lambda *a, z=z: fn(z, *a) for z in sizes], *args)
+
+    def compact(s: _Rows) -> _Rows:
+        order = jnp.argsort(~s.running, stable=True)  # running rows first, order kept
+        perm, running = s.perm[order], s.running[order]
+        return dataclasses.replace(
+            s, x=s.x[order], h_prev=s.h_prev[order], perm=perm, running=running,
+            meta=_take_rows(meta, perm, running), bucket=bucket_for(jnp.sum(running)))
+
+    def maybe_compact(s: _Rows) -> _Rows:
+        """The cost model: gather only when the running rows fit a smaller bucket."""
+        count = jnp.sum(s.running)
+        pays = (bucket_for(count) > s.bucket) & (count > 0)
+        return jax.lax.cond(pays, compact, lambda s: s, s)
+
+    def layer(s: _Rows, cache: KVCache) -> tuple[_Rows, KVCache]:
+        """Layer n on the bucket's rows. The cache never enters a switch branch as something
+        written (XLA would copy it whole, every layer): the branches compute the bucket's K/V,
+        the write happens outside for all B rows (rows past the bucket, and rows that left,
+        have kv_lens 0 and write to the null page), and the rest of the layer reads it."""
+        lp = llama.layer_params(params, s.n)
+
+        def kv(z, x, m):
+            k, v = llama.kv_project(lp, x[:z], m.positions[:z], cfg)  # [z, 1, K, hd]
+            return tuple(a if z == B else jnp.zeros((B, *a.shape[1:]), a.dtype).at[:z].set(a)
+                         for a in (k, v))
+
+        def run(z, x, cache, m):
+            mz = _take_rows(m, slice(0, z), True)
+
+            def attend(q, k, v):  # k, v are already in the cache (and are dead code here)
+                return paged_attention(q, cache, s.n, mz), None
+
+            y, _ = llama.decoder_layer(lp, x[:z], mz.positions, cfg, attend)
+            return y if z == B else x.at[:z].set(y)
+
+        k, v = on_bucket(kv, s, s.x, s.meta)
+        cache = write_kv(cache, s.n, s.meta, k, v)
+        x = on_bucket(run, s, s.x, cache, s.meta)
+        return dataclasses.replace(s, n=s.n + 1, x=x, work=s.work + size_arr[s.bucket]), cache
+
+    def check(s: _Rows) -> _Rows:
+        n, h, slot = s.n, s.x[:, 0], table[s.n]
+        h_prev, checks = s.h_prev, s.checks
+        if force is not None:
+            leave = s.running & (n == force)
+        else:
+            if ec.needs_vocab:  # the vocabulary projection only over the current bucket
+                def conf_on(z, h):
+                    c = exits.confidence_from_logits(
+                        exits.exit_logits(params, heads, slot, h[:z], cfg), ec.measure)
+                    return c if z == B else jnp.zeros((B,), c.dtype).at[:z].set(c)
+
+                conf = on_bucket(conf_on, s, h)
+                checks = checks + 1
+            elif ec.measure == "saturation":
+                conf, h_prev = exits.saturation(h, s.h_prev), h
+            else:
+                conf = exits.classifier_confidence(heads, slot, h, cfg)
+            leave = s.running & (conf >= thresholds[s.perm]) & (n >= ec.min_exit_layer)
+        rows = jnp.where(leave, s.perm, B)  # B is out of range: dropped
+        running = s.running & ~leave
+        s = dataclasses.replace(
+            s, h_prev=h_prev, checks=checks, running=running,
+            meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
+            h_exit=s.h_exit.at[rows].set(h, mode="drop"),
+            exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
+        return maybe_compact(s)
+
+    def body(carry: tuple[_Rows, KVCache]) -> tuple[_Rows, KVCache]:
+        s, cache = layer(*carry)
+        n = s.n
+        is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
+        if ec.measure != "saturation" or force is not None:
+            is_check = is_check & (n >= ec.min_exit_layer)
+        return jax.lax.cond(is_check, check, lambda s: s, s), cache  # the cache stays out
+
+    x = llama.embed(params, tokens)  # [B, 1, D]
+    init = _Rows(n=jnp.asarray(0, jnp.int32), x=x, h_prev=x[:, 0],
+                 perm=jnp.arange(B, dtype=jnp.int32), running=active,
+                 meta=_take_rows(meta, slice(None), active), bucket=jnp.asarray(0, jnp.int32),
+                 h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
+                 checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
+    s, cache = jax.lax.while_loop(lambda c: (c[0].n < L) & jnp.any(c[0].running), body,
+                                  (maybe_compact(init), cache))  # padding rows leave first
+
+    # Rows that ran to the end: their final hidden state, from the compacted order.
+    h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, 0], mode="drop")
+    exit_layer = jnp.where(active, s.exit_layer, 0)
+    slots = jnp.where(active & (exit_layer < L), table[exit_layer], -1)
+    if ec.exit_layers:
+        logits = exits.row_exit_logits(params, heads, slots, h_exit, cfg)
+    else:
+        logits = llama.final_head(params, h_exit, cfg)
+    if ec.enabled:
+        n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
+        first = ec.first_exit or 0
+        cache = jax.lax.cond(
+            jnp.any(n_done < L),
+            lambda c: backfill(params, c, h_exit[:, None], n_done, meta, cfg, first),
+            lambda c: c, cache)
+    return logits, exit_layer, s.checks, s.work, cache

@@ -72,6 +72,15 @@ class EngineStats:
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
     step_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
     token_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Per row of decode steps (policy "per_row": each row's own exit layer; otherwise the
+    # batch's): the ideal work is decode_row_layers, the work done row_layers_computed
+    # (rows a layer actually ran on, padding rows of a bucket included), the full-depth work
+    # of the same steps row_layers_full_depth (batch bucket x L).
+    num_decode_rows: int = 0
+    decode_row_layers: int = 0
+    row_layers_computed: int = 0
+    row_layers_full_depth: int = 0
+    row_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_layers_per_decode_step(self) -> float:
@@ -81,6 +90,26 @@ class EngineStats:
         """L / mean executed layers: the most early exit can give at this exit pattern."""
         m = self.mean_layers_per_decode_step
         return n_layers / m if m else 1.0
+
+    @property
+    def mean_layers_per_row(self) -> float:
+        """Mean layers executed per decoded row (per token of a decode step)."""
+        return self.decode_row_layers / self.num_decode_rows if self.num_decode_rows else 0.0
+
+    def ideal_row_speedup(self, n_layers: int) -> float:
+        """L / mean executed layers per row: the most per-row exits could give."""
+        m = self.mean_layers_per_row
+        return n_layers / m if m else 1.0
+
+    @property
+    def work_fraction(self) -> float:
+        """Row-layers computed / row-layers at full depth over the same decode steps."""
+        return (self.row_layers_computed / self.row_layers_full_depth
+                if self.row_layers_full_depth else 1.0)
+
+    def row_exit_histogram(self) -> str:
+        """Decode rows per exit layer, e.g. '6:40 9:12 30:8'."""
+        return " ".join(f"{k}:{v}" for k, v in sorted(self.row_exit_counts.items()))
 
     @property
     def vocab_checks_per_decode_step(self) -> float:
@@ -154,6 +183,11 @@ class LLMEngine:
                     f"{self.model_config.vocab_size}): {bad[:8]}")
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        bad = [t for t in params.forced_tokens if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"forced_tokens has ids outside the vocabulary [0, "
+                f"{self.model_config.vocab_size}): {bad[:8]}")
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens but max_model_len is "
@@ -210,7 +244,7 @@ class LLMEngine:
         result = self.runner.step(batch)
         tokens, logprobs, extra = unpack_results(np.asarray(result))
         dt = time.perf_counter() - t0
-        self._account(schedule, dt, compiles, int(extra[0, 0]), int(extra[0, 1]))
+        self._account(schedule, dt, compiles, extra)
         return self._process(schedule, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
@@ -236,10 +270,14 @@ class LLMEngine:
                               else np.inf)
         return b
 
-    def _account(self, schedule: Schedule, dt: float, compiled: bool, exit_layer: int,
-                 vocab_checks: int) -> None:
-        """Steps that compiled a new program count as compile time, not serving time."""
+    def _account(self, schedule: Schedule, dt: float, compiled: bool, extra: np.ndarray) -> None:
+        """Steps that compiled a new program count as compile time, not serving time.
+
+        extra: the step's result columns [B, 3] (model_runner.ModelRunner): exit layer per
+        row, vocabulary checks, row-layers computed."""
         s = self.stats
+        row_layers = [int(e) for e in extra[:len(schedule.rows), 0]]
+        exit_layer = max(row_layers)  # the layers the step ran (every row's under all/quorum)
         s.num_steps += 1
         if compiled:
             s.compile_time += dt
@@ -254,8 +292,14 @@ class LLMEngine:
             s.decode_time += 0.0 if compiled else dt
             s.num_decode_tokens += 0 if compiled else len(schedule.rows)
             s.decode_layers_run += exit_layer
-            s.vocab_checks += vocab_checks
+            s.vocab_checks += int(extra[0, 1])
             s.step_exit_counts[exit_layer] = s.step_exit_counts.get(exit_layer, 0) + 1
+            s.num_decode_rows += len(row_layers)
+            s.decode_row_layers += sum(row_layers)
+            s.row_layers_computed += int(extra[0, 2])
+            s.row_layers_full_depth += schedule.shape.batch * self.model_config.n_layers
+            for e in row_layers:
+                s.row_exit_counts[e] = s.row_exit_counts.get(e, 0) + 1
         s.max_pages_used = max(s.max_pages_used, self.blocks.num_used_pages)
 
     def _process(self, schedule: Schedule, tokens, logprobs, extra) -> list[RequestOutput]:
@@ -267,6 +311,10 @@ class LLMEngine:
             if not row.samples:
                 continue
             token = int(tokens[r])
+            forced = seq.params.forced_tokens
+            if forced:  # teacher forcing: keep what the model said, continue with the given
+                seq.predicted_token_ids.append(token)
+                token = forced[len(seq.output_token_ids)]
             seq.output_token_ids.append(token)
             seq.logprobs.append(float(logprobs[r]))
             layer = int(extra[r, 0])
@@ -299,7 +347,8 @@ class LLMEngine:
                 seq.text = seq.text[:min(hits)]
                 seq.finish_reason = "stop"
         new_text = seq.text[old_len:]
-        if not seq.finished and (len(seq.output_token_ids) >= p.max_tokens
+        n_out = len(seq.output_token_ids)
+        if not seq.finished and (n_out >= p.max_tokens or 0 < len(p.forced_tokens) <= n_out
                                  or seq.num_tokens >= self.config.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason == "length" and seq.detokenizer is not None:
@@ -313,7 +362,9 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids), finished=seq.finished,
             finish_reason=seq.finish_reason, error=seq.error,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            exit_layers=list(seq.exit_layers), metrics=seq.metrics, new_text=new_text)
+            exit_layers=list(seq.exit_layers), metrics=seq.metrics, new_text=new_text,
+            predicted_token_ids=(list(seq.predicted_token_ids) if seq.params.forced_tokens
+                                 else None))
 
     # -- introspection -----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import numpy as np
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.early_exit import early_exit_decode
+from ee_jax.serving.early_exit import early_exit_decode, per_row_decode
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.paged_model import paged_forward
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
@@ -120,8 +120,11 @@ class ModelRunner:
     """Owns the params, the cache and the compiled steps; the engine hands it StepBatches.
 
     With an `ExitConfig`, decode steps (one token per row) run the early-exit step; prefill
-    always runs at full depth. Results are [B, 4]: token, logprob (bit-cast), the batch's
-    exit layer, and how many exit checks projected onto the vocabulary.
+    always runs at full depth. Results are [B, 5]: token, logprob (bit-cast), the row's exit
+    layer (policy "per_row": each row's own, 0 for padding rows; otherwise the batch's exit
+    layer on every row), how many exit checks projected onto the vocabulary, and the
+    row-layers the step computed (rows a layer ran on, summed over layers: B x layers run
+    unless "per_row" compacted the rows; B x L for prefill).
     """
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
@@ -143,20 +146,26 @@ class ModelRunner:
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
-        if shape.tokens == 1 and self.exit_config is not None:
+        B = shape.batch
+        ec = self.exit_config
+        if shape.tokens == 1 and ec is not None and ec.policy == "per_row":
+            logits, exit_layer, checks, work, cache = per_row_decode(
+                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg, ec)
+        elif shape.tokens == 1 and ec is not None:
             logits, exit_layer, checks, cache = early_exit_decode(
-                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg,
-                self.exit_config)
+                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg, ec)
+            work = B * exit_layer
         else:
             x, cache = paged_forward(params, cache, inp["tokens"], meta, self.cfg)
             h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
             logits = llama.final_head(params, h, self.cfg)
             exit_layer = jnp.asarray(self.cfg.n_layers, jnp.int32)
             checks = jnp.asarray(0, jnp.int32)
+            work = B * exit_layer
         tokens = sample(logits, sampling_tensors(inp))
         logprobs = token_logprobs(logits, tokens)
-        return cache, pack_results(tokens, logprobs, jnp.broadcast_to(exit_layer, tokens.shape),
-                                   jnp.broadcast_to(checks, tokens.shape))
+        return cache, pack_results(tokens, logprobs, *(jnp.broadcast_to(a, tokens.shape)
+                                                       for a in (exit_layer, checks, work)))
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""

