@@ -108,11 +108,12 @@ def _generate(args) -> int:
     if ec is not None:
         L = llm.model.config.n_layers
         print(f"early exit ({ec.policy}, {ec.measure} >= {ec.threshold}, head {ec.head}, "
-              f"exits {list(ec.exit_layers)}): batch exit layer per decode step "
-              f"{{{s.exit_histogram()}}}; mean layers {s.mean_layers_per_decode_step:.1f} of "
-              f"{L} -> ideal speedup {s.ideal_speedup(L):.2f}x; "
-              f"{s.vocab_checks_per_decode_step:.1f} vocabulary projections per step for "
-              f"exit checks (each costs one LM head)", file=sys.stderr)
+              f"exits {list(ec.exit_layers)}): rows per exit layer "
+              f"{{{s.row_exit_histogram()}}}; mean layers per token "
+              f"{s.mean_layers_per_row:.1f} of {L} -> ideal speedup "
+              f"{s.ideal_row_speedup(L):.2f}x; layers x rows computed {s.work_fraction:.2f} "
+              f"of full depth; {s.vocab_checks_per_decode_step:.1f} vocabulary projections "
+              f"per step for exit checks (each costs one LM head)", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
