@@ -23,22 +23,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.serving import cpu_model, log, select_prompts
+from bench.serving import cpu_model, log, select_prompts, write_marked
 
 MARK = ("<!-- bench.early_exit:begin -->", "<!-- bench.early_exit:end -->")
 EXITS_EVERY_4 = (4, 8, 12, 16, 20, 24, 28)
-
-
-def write_marked(path: Path, section: str) -> None:
-    begin, end = MARK
-    section = f"{begin}\n{section.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + section + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 # --------------------------------------------------------------------------- A and B: step times
@@ -225,7 +213,7 @@ def main(argv=None) -> int:
     text = render(ctx)
     print(text)
     if args.out:
-        write_marked(args.out, text)
+        write_marked(args.out, text, MARK)
         log(f"wrote {args.out}")
     return 0
 

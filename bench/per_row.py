@@ -44,22 +44,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.serving import cpu_model, log, select_prompts
+from bench.serving import cpu_model, log, select_prompts, write_marked
 
 MARK = ("<!-- bench.per_row:begin -->", "<!-- bench.per_row:end -->")
 POLICIES = ("never", "all", "quorum", "per_row")
-
-
-def write_marked(path: Path, section: str) -> None:
-    begin, end = MARK
-    section = f"{begin}\n{section.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + section + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 # --------------------------------------------------------------------------- setup
@@ -289,7 +277,7 @@ def main(argv=None) -> int:
         ctx["batches"].append((B, bench_batch(model, prompts, ec, heads, B, args, max_len)))
         text = render(ctx)
         if args.out:  # after every batch size: a long run leaves what it has
-            write_marked(args.out, text)
+            write_marked(args.out, text, MARK)
     print(text)
     if args.out:
         log(f"wrote {args.out}")

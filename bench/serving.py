@@ -140,6 +140,19 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 # --------------------------------------------------------------------------- prompts
 
 
+def write_marked(path: Path, section: str, mark: tuple[str, str]) -> None:
+    """Replace the section between the `mark` comments in `path` (append it if absent)."""
+    begin, end = mark
+    section = f"{begin}\n{section.rstrip()}\n{end}\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 def select_prompts(tokenizer, lo: int, hi: int) -> list[tuple[str, list[int]]]:
     """HumanEval prompts (evaluation data, used only as inputs) within [lo, hi] tokens, in
     the dataset's order."""

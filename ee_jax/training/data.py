@@ -82,20 +82,26 @@ def _pieces(text: str, max_chars: int) -> Iterator[str]:
         yield "".join(piece)[:max_chars * 2]
 
 
-@functools.lru_cache(maxsize=1)
-def _documented_functions() -> tuple[tuple[str, str, str], ...]:
-    """(module, qualified name, first docstring sentence) of public, documented functions."""
+def _public_modules() -> Iterator[tuple[tuple[str, ...], str, ast.Module]]:
+    """(path parts without suffix, source, parsed tree) of public standard-library modules."""
     root = stdlib_dir()
-    out = []
     for f in _stdlib_files():
         rel = f.relative_to(root).with_suffix("")
         if any(p.startswith("_") for p in rel.parts):
             continue
-        module = ".".join(rel.parts).removesuffix(".__init__")
         try:
-            tree = ast.parse(f.read_text(encoding="utf-8"))
+            text = f.read_text(encoding="utf-8")
+            yield rel.parts, text, ast.parse(text)
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+
+
+@functools.lru_cache(maxsize=1)
+def _documented_functions() -> tuple[tuple[str, str, str], ...]:
+    """(module, qualified name, first docstring sentence) of public, documented functions."""
+    out = []
+    for parts, _, tree in _public_modules():
+        module = ".".join(parts).removesuffix(".__init__")
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
                 continue
@@ -160,17 +166,8 @@ def instructions(split: Split, limit: int | None = None, seed: int = 0) -> list[
 def _function_headers() -> tuple[tuple[str, str], ...]:
     """(key, source) of documented top-level standard-library functions: the `def` line(s)
     and the docstring, without the body — a code-completion prompt in HumanEval's shape."""
-    root = stdlib_dir()
     out = []
-    for f in _stdlib_files():
-        rel = f.relative_to(root).with_suffix("")
-        if any(p.startswith("_") for p in rel.parts):
-            continue
-        try:
-            text = f.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
+    for parts, text, tree in _public_modules():
         lines = text.splitlines(keepends=True)
         for node in tree.body:
             if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_")
@@ -180,7 +177,7 @@ def _function_headers() -> tuple[tuple[str, str], ...]:
             doc = node.body[0]
             header = "".join(lines[node.lineno - 1:doc.end_lineno])
             if 60 <= len(header) <= 1200:
-                out.append((f"{'.'.join(rel.parts)}.{node.name}", header))
+                out.append((f"{'.'.join(parts)}.{node.name}", header))
     return tuple(out)
 
 
