@@ -57,19 +57,25 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.paged_model import paged_layer
 
 
-def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,
-             cfg: ModelConfig, first: int = 0) -> KVCache:
-    """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D].
-
-    n_done: a scalar (the batch's exit layer) or [B] (each row's). vmapped over layers
-    first..L-1 (`first`, static: the lowest exit that can be taken, below which nothing is
-    ever skipped) with the writes of layers < n_done sent to the null page, so the shapes
-    are static; only the token's slots are touched (a scatter, in place).
-    """
-    L = cfg.n_layers
+def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
+                first: int = 0) -> tuple[jax.Array, jax.Array]:
+    """K/V of h [B, T, D] through layers first..L-1 (`kv_project` vmapped over layers):
+    [L - first, B, T, K, hd] each. `first` (static) is the lowest exit that can be taken;
+    below it nothing is ever skipped."""
     layers = jax.tree.map(lambda a: a[first:], params["layers"])
-    ks, vs = jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(
-        layers)  # [L - first, B, T, K, hd]
+    return jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(layers)
+
+
+def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
+                   meta: AttentionMetadata, first: int = 0) -> KVCache:
+    """Write layers >= n_done of the back-filled K/V at this step's slots; the writes of
+    layers < n_done go to the null page, so shapes are static and only the token's slots are
+    touched (a scatter, in place). n_done: a scalar (the batch's exit layer) or [B] (each
+    row's); n_done = L writes nothing real.
+
+    Kept out of any lax.cond/switch on purpose: a cache that is an operand of a branch can be
+    copied whole by XLA (hundreds of MB at batch 8), every step."""
+    L = first + ks.shape[0]
     pages, offsets = meta.write_slots(cache.page_size)  # [B, T]
     layer_ids = jnp.arange(first, L, dtype=jnp.int32)
     n_done = jnp.reshape(jnp.asarray(n_done, jnp.int32), (-1, 1))  # [1 or B, 1]
@@ -79,6 +85,24 @@ def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: A
     offsets = jnp.broadcast_to(offsets[None], pages.shape)
     return KVCache(cache.k.at[layer_idx, pages, offsets].set(ks.astype(cache.k.dtype)),
                    cache.v.at[layer_idx, pages, offsets].set(vs.astype(cache.v.dtype)))
+
+
+def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,
+             cfg: ModelConfig, first: int = 0, any_exit=None) -> KVCache:
+    """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D].
+
+    With `any_exit` (a traced bool), the projections are computed only when it holds (a
+    lax.cond over the small K/V arrays, never over the cache) and nothing is written when it
+    does not."""
+    if any_exit is None:
+        ks, vs = backfill_kv(params, h, meta, cfg, first)
+    else:
+        project = lambda: backfill_kv(params, h, meta, cfg, first)  # noqa: E731
+        zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
+                                     jax.eval_shape(project))
+        ks, vs = jax.lax.cond(any_exit, project, zeros)
+        n_done = jnp.where(any_exit, n_done, cfg.n_layers)
+    return write_backfill(cache, ks, vs, n_done, meta, first)
 
 
 def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
@@ -155,8 +179,7 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
     if enabled:
         logits = jax.lax.cond(exited, head_at_exit, lambda: llama.final_head(params, h, cfg))
         first = ec.first_exit or 0
-        cache = jax.lax.cond(exited, lambda c: backfill(params, c, x, n, meta, cfg, first),
-                             lambda c: c, cache)
+        cache = backfill(params, cache, x, n, meta, cfg, first, any_exit=exited)
     else:
         logits = llama.final_head(params, h, cfg)
     return logits, n, checks, cache
@@ -317,8 +340,6 @@ def per_row_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Arra
     if ec.enabled:
         n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
         first = ec.first_exit or 0
-        cache = jax.lax.cond(
-            jnp.any(n_done < L),
-            lambda c: backfill(params, c, h_exit[:, None], n_done, meta, cfg, first),
-            lambda c: c, cache)
+        cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
+                         any_exit=jnp.any(n_done < L))
     return logits, exit_layer, s.checks, s.work, cache
