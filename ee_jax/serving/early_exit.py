@@ -14,31 +14,33 @@ Policies "all" / "quorum" (`early_exit_decode`): the batch leaves together.
 Policy "per_row" (`per_row_decode`): every row leaves at its own first confident exit.
 
     rows still running sit at the front of the loop state (compacted order, `perm` maps back)
-    while n < L and some row runs:
-        layer n on the first `bucket` rows only     # lax.switch over static row buckets
-        n += 1
-        if n is an exit layer: rows that are confident now leave: their hidden state and
-            exit layer are recorded at their original row; their kv_lens in the loop state
-            become 0, so while they ride along as padding inside a bucket they write to the
-            null page and attend to nothing
-            cost model: compact (gather the running rows to the front) only if they then fit
-            a smaller bucket
+    for each row bucket z in B, ceil(B/2), ..., min_row_bucket:    # static, a Python loop
+        gather the running rows to the front
+        while n < L and the running rows do not fit the next bucket:   # lax.while_loop
+            layer n on the first z rows only (static shape: no branch over the bucket)
+            n += 1
+            if n is an exit layer: rows that are confident now leave: their hidden state and
+                exit layer are recorded at their original row; their kv_lens in the loop
+                state become 0, so while they ride along as padding of the bucket they write
+                to the null page and attend to nothing
     logits = one LM head for all rows, each row normed/adapted by its own exit head
              (final norm for rows that ran to L)
     back-fill, per row: layers >= that row's exit layer get kv_project of its exit state
 
-Row buckets are B, ceil(B/2), ..., down to `ExitConfig.min_row_bucket` (1 by default). The
-cost model, per exit check: after confident rows leave, let `count` be the rows still
-running; gather them to the front iff the smallest bucket holding `count` is smaller than the
-current one (i.e. count <= current/2 for power-of-two buckets). Otherwise nothing moves: the
-rows that left stay where they are as padding, so a layer never pays for a gather that does
-not shrink it. A gather moves [B, D] hidden states and [B, W] page tables — small next to a
-layer — and happens at most log2(B) times per step; the layer work it saves is
-(old bucket - new bucket) rows for every remaining layer. On CPU a layer's cost is nearly
-proportional to its rows; on accelerators at small buckets weight reads dominate, which is
-what `min_row_bucket` is for.
+The cost model is in the stage boundaries: rows move (a gather of [B, D] hidden states and
+[B, W] page tables, small next to a layer) only when the rows still running fit a smaller
+bucket, i.e. count <= current/2 for power-of-two buckets; otherwise the rows that left stay in
+place as padding, so a layer never pays for a gather that does not shrink it. A step gathers
+at most log2(B) + 1 times (stages that run no layer included); the layer work it saves is
+(old bucket - new bucket) rows for every remaining layer. `ExitConfig.min_row_bucket` stops
+the halving where a layer over fewer rows would not be cheaper (weight reads dominate at small
+buckets on accelerators, and on CPU too at batch <= 8).
 
-One compiled program per step shape serves every exit pattern (all buckets are branches of
+An earlier version chose the bucket per layer with `lax.switch` inside one while_loop; on CPU
+the two switches per layer cost ~15% of a step at batch 8 with no row leaving. Stages in
+sequence have no per-layer branch and the same one compiled program per step shape.
+
+One compiled program per step shape serves every exit pattern (every bucket is a stage of
 the same program); nothing goes back to the host inside the step. The exit layers (per row
 under "per_row", the batch's under the other policies) come back with the sampled tokens.
 """
@@ -46,13 +48,14 @@ under "per_row", the batch's under the other policies) come back with the sample
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
+from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.paged_model import paged_layer
 
@@ -192,7 +195,7 @@ def early_exit_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.A
 @dataclasses.dataclass(frozen=True)
 class _Rows:
     """Loop state of `per_row_decode`. Fields marked (c) are in compacted order: slot c holds
-    original row perm[c]; the running rows occupy slots < sizes[bucket]."""
+    original row perm[c]; in the stage of bucket z the running rows occupy slots < z."""
 
     n: jax.Array  # int32: layers run
     x: jax.Array  # (c) [B, 1, D] hidden states
@@ -200,7 +203,6 @@ class _Rows:
     perm: jax.Array  # (c) [B] int32: original row of each slot
     running: jax.Array  # (c) [B] bool
     meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
-    bucket: jax.Array  # int32: index into the static row buckets of the rows the layers run on
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     checks: jax.Array  # int32: exit checks that projected onto the vocabulary
@@ -227,7 +229,6 @@ def per_row_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Arra
     L = cfg.n_layers
     B = tokens.shape[0]
     sizes = ec.row_buckets(B)
-    size_arr = jnp.asarray(sizes, jnp.int32)
     table = jnp.asarray(ec.exit_index_table(L))
     active = meta.kv_lens > 0  # padding rows have no keys: they never run
     force = ec.force_exit_layer
@@ -235,68 +236,24 @@ def per_row_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Arra
     # no check is computed at all.
     can_exit = jnp.asarray(True) if force is not None else jnp.any(active & (thresholds <= 1.0))
 
-    def bucket_for(count):
-        """Index of the smallest bucket holding `count` rows (sizes are decreasing)."""
-        return (jnp.sum(size_arr >= count) - 1).astype(jnp.int32)
-
-    def on_bucket(fn, s: _Rows, *args):
-        """fn(size, *args) run on the current bucket's static size (lax.switch)."""
-        if len(sizes) == 1:
-            return fn(sizes[0], *args)
-        return jax.lax.switch(s.bucket, [lambda *a, z=z: fn(z, *a) for z in sizes], *args)
-
     def compact(s: _Rows) -> _Rows:
-        order = jnp.argsort(~s.running, stable=True)  # running rows first, order kept
+        """Gather the running rows to the front (order kept); the rest follow as padding."""
+        order = jnp.argsort(~s.running, stable=True)
         perm, running = s.perm[order], s.running[order]
-        return dataclasses.replace(
-            s, x=s.x[order], h_prev=s.h_prev[order], perm=perm, running=running,
-            meta=_take_rows(meta, perm, running), bucket=bucket_for(jnp.sum(running)))
+        return dataclasses.replace(s, x=s.x[order], h_prev=s.h_prev[order], perm=perm,
+                                   running=running, meta=_take_rows(meta, perm, running))
 
-    def maybe_compact(s: _Rows) -> _Rows:
-        """The cost model: gather only when the running rows fit a smaller bucket."""
-        count = jnp.sum(s.running)
-        pays = (bucket_for(count) > s.bucket) & (count > 0)
-        return jax.lax.cond(pays, compact, lambda s: s, s)
-
-    def layer(s: _Rows, cache: KVCache) -> tuple[_Rows, KVCache]:
-        """Layer n on the bucket's rows. The cache never enters a switch branch as something
-        written (XLA would copy it whole, every layer): the branches compute the bucket's K/V,
-        the write happens outside for all B rows (rows past the bucket, and rows that left,
-        have kv_lens 0 and write to the null page), and the rest of the layer reads it."""
-        lp = llama.layer_params(params, s.n)
-
-        def kv(z, x, m):
-            k, v = llama.kv_project(lp, x[:z], m.positions[:z], cfg)  # [z, 1, K, hd]
-            return tuple(a if z == B else jnp.zeros((B, *a.shape[1:]), a.dtype).at[:z].set(a)
-                         for a in (k, v))
-
-        def run(z, x, cache, m):
-            mz = _take_rows(m, slice(0, z), True)
-
-            def attend(q, k, v):  # k, v are already in the cache (and are dead code here)
-                return paged_attention(q, cache, s.n, mz), None
-
-            y, _ = llama.decoder_layer(lp, x[:z], mz.positions, cfg, attend)
-            return y if z == B else x.at[:z].set(y)
-
-        k, v = on_bucket(kv, s, s.x, s.meta)
-        cache = write_kv(cache, s.n, s.meta, k, v)
-        x = on_bucket(run, s, s.x, cache, s.meta)
-        return dataclasses.replace(s, n=s.n + 1, x=x, work=s.work + size_arr[s.bucket]), cache
-
-    def check(s: _Rows) -> _Rows:
+    def check(z: int, s: _Rows) -> _Rows:
+        """Rows among the first z that are confident now leave (z: the stage's bucket)."""
         n, h, slot = s.n, s.x[:, 0], table[s.n]
         h_prev, checks = s.h_prev, s.checks
         if force is not None:
             leave = s.running & (n == force)
         else:
-            if ec.needs_vocab:  # the vocabulary projection only over the current bucket
-                def conf_on(z, h):
-                    c = exits.confidence_from_logits(
-                        exits.exit_logits(params, heads, slot, h[:z], cfg), ec.measure)
-                    return c if z == B else jnp.zeros((B,), c.dtype).at[:z].set(c)
-
-                conf = on_bucket(conf_on, s, h)
+            if ec.needs_vocab:  # the vocabulary projection only over the bucket's rows
+                conf = exits.confidence_from_logits(
+                    exits.exit_logits(params, heads, slot, h[:z], cfg), ec.measure)
+                conf = conf if z == B else jnp.zeros((B,), conf.dtype).at[:z].set(conf)
                 checks = checks + 1
             elif ec.measure == "saturation":
                 conf, h_prev = exits.saturation(h, s.h_prev), h
@@ -305,29 +262,46 @@ def per_row_decode(params: llama.Params, heads, cache: KVCache, tokens: jax.Arra
             leave = s.running & (conf >= thresholds[s.perm]) & (n >= ec.min_exit_layer)
         rows = jnp.where(leave, s.perm, B)  # B is out of range: dropped
         running = s.running & ~leave
-        s = dataclasses.replace(
+        return dataclasses.replace(
             s, h_prev=h_prev, checks=checks, running=running,
             meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
-        return maybe_compact(s)
 
-    def body(carry: tuple[_Rows, KVCache]) -> tuple[_Rows, KVCache]:
-        s, cache = layer(*carry)
-        n = s.n
-        is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
-        if ec.measure != "saturation" or force is not None:
-            is_check = is_check & (n >= ec.min_exit_layer)
-        return jax.lax.cond(is_check, check, lambda s: s, s), cache  # the cache stays out
+    def stage(k: int, s: _Rows, cache: KVCache) -> tuple[_Rows, KVCache]:
+        """Layers on the first z = sizes[k] rows, for as long as the running rows do not fit
+        the next bucket (the cost model). Static shapes: no branch over the bucket."""
+        z = sizes[k]
+        fits_next = sizes[k + 1] if k + 1 < len(sizes) else 0
+
+        def cond(c):
+            count = jnp.sum(c[0].running)
+            return (c[0].n < L) & (count > fits_next)
+
+        def body(c):
+            s, cache = c
+            mz = _take_rows(s.meta, slice(0, z), True)  # rows that left: kv_lens 0
+            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg)
+            x = y if z == B else s.x.at[:z].set(y)
+            s = dataclasses.replace(s, n=s.n + 1, x=x, work=s.work + z)
+            n = s.n
+            is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
+            if ec.measure != "saturation" or force is not None:
+                is_check = is_check & (n >= ec.min_exit_layer)
+            s = jax.lax.cond(is_check, functools.partial(check, z), lambda s: s, s)
+            return s, cache
+
+        return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
 
     x = llama.embed(params, tokens)  # [B, 1, D]
-    init = _Rows(n=jnp.asarray(0, jnp.int32), x=x, h_prev=x[:, 0],
-                 perm=jnp.arange(B, dtype=jnp.int32), running=active,
-                 meta=_take_rows(meta, slice(None), active), bucket=jnp.asarray(0, jnp.int32),
-                 h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
-                 checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
-    s, cache = jax.lax.while_loop(lambda c: (c[0].n < L) & jnp.any(c[0].running), body,
-                                  (maybe_compact(init), cache))  # padding rows leave first
+    s = _Rows(n=jnp.asarray(0, jnp.int32), x=x, h_prev=x[:, 0],
+              perm=jnp.arange(B, dtype=jnp.int32), running=active,
+              meta=_take_rows(meta, slice(None), active),
+              h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
+              checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
+    s = compact(s)  # padding rows leave first
+    for k in range(len(sizes)):
+        s, cache = stage(k, s, cache)
 
     # Rows that ran to the end: their final hidden state, from the compacted order.
     h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, 0], mode="drop")
