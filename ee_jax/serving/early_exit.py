@@ -37,7 +37,7 @@ the halving where a layer over fewer rows would not be cheaper (weight reads dom
 buckets on accelerators, and on CPU too at batch <= 8).
 
 An earlier version chose the bucket per layer with `lax.switch` inside one while_loop; on CPU
-the two switches per layer cost ~15% of a step at batch 8 with no row leaving. Stages in
+the two switches per layer made a batch-8 step slower than full depth with no row leaving. Stages in
 sequence have no per-layer branch and the same one compiled program per step shape.
 
 One compiled program per step shape serves every exit pattern (every bucket is a stage of
