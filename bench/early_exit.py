@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.serving import cpu_model, log, select_prompts, write_marked
+from bench.serving import cpu_model, log, select_prompts, smollm2_shaped_random, write_marked
 
 MARK = ("<!-- bench.early_exit:begin -->", "<!-- bench.early_exit:end -->")
 EXITS_EVERY_4 = (4, 8, 12, 16, 20, 24, 28)
@@ -189,14 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from ee_jax.models import llama
-    from ee_jax.models.config import ModelConfig
     from ee_jax.models.loading import load_model
 
     if args.random:
-        cfg = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                          head_dim=64, ffn_dim=1536, tie_embeddings=True)
-        params = jax.jit(lambda k: llama.init_params(cfg, k))(jax.random.PRNGKey(0))
+        cfg, params = smollm2_shaped_random()
         model, weights = None, "random, SmolLM2-135M shapes, f32"
     else:
         model = load_model(args.model, dtype="float32")

@@ -14,7 +14,8 @@ thresholds of 0 / inf make an exact exit pattern:
 
 Every variant is compiled first (not timed), then `--repeats` interleaved rounds of `--steps`
 steps; the best round's ms/step is printed with the ideal (layers run per row) ratio. The
-weights are the default model's (their values do not matter to the timing).
+weights are the default model's, or with `--random` same-shape random ones (no GGUF needed, for
+accelerator machines); their values do not matter to the timing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 import functools
 import time
 
-from bench.serving import log
+from bench.serving import log, smollm2_shaped_random
 
 
 def main(argv=None) -> int:
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--exit-layer", type=int, default=10)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--random", action="store_true",
+                   help="random weights of SmolLM2-135M's shapes (no model file)")
     args = p.parse_args(argv)
 
     import jax
@@ -47,8 +50,11 @@ def main(argv=None) -> int:
     from ee_jax.serving.early_exit import early_exit_decode, per_row_decode
     from ee_jax.serving.kv_cache import allocate_cache
 
-    m = load_model(args.model)
-    cfg, params = m.config, m.params
+    if args.random:
+        cfg, params = smollm2_shaped_random()
+    else:
+        m = load_model(args.model)
+        cfg, params = m.config, m.params
     B, ctx, page = args.batch, args.context, 16
     L, e = cfg.n_layers, args.exit_layer
     if not 1 <= e < L:
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
             times[name].append((time.perf_counter() - t) / args.steps)
     base = min(times["never"])
     print(f"batch {B}, context {ctx}, exit at layer {e} of {L}; best of {args.repeats} rounds "
-          f"of {args.steps} steps")
+          f"of {args.steps} steps; {jax.devices()[0].device_kind}; "
+          f"{'random' if args.random else args.model} weights")
     print("| variant | ms/step | vs never | ideal | rounds (ms) |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():

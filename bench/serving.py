@@ -51,6 +51,19 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def smollm2_shaped_random(seed: int = 0):
+    """(config, params): random weights of SmolLM2-135M's shapes, for timing where the GGUF is
+    not at hand (accelerator machines without the package); values do not matter to speed."""
+    import jax
+
+    from ee_jax.models import llama
+    from ee_jax.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                      head_dim=64, ffn_dim=1536, tie_embeddings=True)
+    return cfg, jax.jit(lambda k: llama.init_params(cfg, k))(jax.random.PRNGKey(seed))
+
+
 # --------------------------------------------------------------------------- machine
 
 
