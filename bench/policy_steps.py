@@ -27,9 +27,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from ee_jax.models.loading import load_model
-    from ee_jax.serving.engine import EngineConfig, EngineStats, LLMEngine
+    from ee_jax.serving.engine import EngineStats
+    from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
-    from tests.reference import run_requests
 
     m = load_model(args.model)
     shipped = m.shipped_exit_heads()
@@ -37,11 +37,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.model} ships no exit heads")
     ec, heads = shipped
     prompts = [ids for _, ids in select_prompts(m.tokenizer, 100, 200)][:args.batch]
-    conf = EngineConfig(max_num_seqs=args.batch, max_model_len=256 + args.new_tokens)
 
     def engine(exit_config=None):
-        return LLMEngine(m.config, m.params, None, conf, exit_config,
-                         heads if exit_config else None)
+        return LLM(m, exit_config=exit_config, exit_heads=heads if exit_config else None,
+                   early_exit=exit_config is not None, progress=False,
+                   max_num_seqs=args.batch, max_model_len=256 + args.new_tokens)
 
     per_row = engine(dataclasses.replace(ec, policy="per_row"))
     runs = {"no exit config": (engine(), None),
@@ -52,14 +52,15 @@ def main(argv=None) -> int:
     sp = lambda thr: greedy(args.new_tokens, ignore_eos=True, exit_threshold=thr)  # noqa: E731
     for name, (e, thr) in runs.items():
         log(f"compiling {name}")
-        run_requests(e, prompts, sp(thr))
+        e.generate(prompts, sp(thr), use_tqdm=False)
     best: dict[str, EngineStats] = {}
     for _ in range(args.repeats):
         for name, (e, thr) in runs.items():
-            e.stats = EngineStats()
-            run_requests(e, prompts, sp(thr))
-            if name not in best or e.stats.decode_step_time < best[name].decode_step_time:
-                best[name] = e.stats
+            e.engine.stats = EngineStats()
+            e.generate(prompts, sp(thr), use_tqdm=False)
+            s = e.engine.stats
+            if name not in best or s.decode_step_time < best[name].decode_step_time:
+                best[name] = s
     base = best["never"].decode_step_time
     print(f"batch {args.batch}, {len(prompts)} HumanEval prompts, {args.new_tokens} tokens")
     for name, s in best.items():
