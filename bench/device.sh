@@ -10,9 +10,9 @@
 #   bench.per_row_step  one decode step: never / per_row with no row, half, all rows leaving at
 #                       layer 10 / `all` with every row leaving, at batch 8, 32, 128, 256;
 #   bench.early_exit    forced-exit ceiling and the overhead of exits never taken, batch 1-64.
-# On a GPU a layer over B/2 rows costs about what it costs over B until B is large (weights are
-# read once per layer whatever the rows), so the half-rows-leave column says from which batch
-# on compaction pays there; `min_row_bucket` should be set from it.
+# On a GPU a layer over B/2 rows is expected to cost about what it costs over B until B is large
+# (weights are read once per layer whatever the rows; not measured yet): the half-rows-leave
+# column says from which batch on compaction pays there; set `min_row_bucket` from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
