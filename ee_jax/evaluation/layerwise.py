@@ -85,14 +85,11 @@ def windows(sequences: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]
 
 def _slot_confidence(params, heads, slot, h, h_prev, cfg: ModelConfig, ec: ExitConfig):
     """(confidence, top-1) of exit `slot` for h [B, T, D], as the decode step computes it."""
-    logits = exits.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
+    conf, logits, _ = exits.check_confidence(params, heads, slot, h,
+                                             exits.CheckState(h_prev=h_prev), cfg, ec)
+    if logits is None:
+        logits = exits.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
     top = jnp.argmax(logits, axis=-1)
-    if ec.needs_vocab:
-        conf = exits.confidence_from_logits(logits, ec.measure)
-    elif ec.measure == "saturation":
-        conf = exits.saturation(h, h_prev)
-    else:
-        conf = exits.classifier_confidence(heads, slot, h, cfg)
     return conf, top
 
 

@@ -265,6 +265,42 @@ def classifier_confidence(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Ar
     return jax.nn.sigmoid(classifier_logit(heads, slot, h, cfg))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CheckState:
+    """What an exit check carries from one check to the next within a step (per row).
+
+    Measures that look back (saturation; candidate features) keep their memory here, so the
+    decode step carries one opaque pytree whatever the measure."""
+
+    h_prev: jax.Array  # [..., D] hidden state at the previous exit check
+
+
+def init_check_state(h0: jax.Array, ec: ExitConfig) -> CheckState:
+    """The state before the first check; h0 [..., D] is the embedding (layer 0's input)."""
+    del ec
+    return CheckState(h_prev=h0)
+
+
+def check_confidence(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,
+                     cfg: ModelConfig, ec: ExitConfig
+                     ) -> tuple[jax.Array, jax.Array | None, CheckState]:
+    """The one confidence dispatch: (confidence [...] f32 in [0, 1], the exit's logits [..., V]
+    when the measure had to compute them (else None), the next state). h: [..., D].
+
+    The decode step, the layer-wise evaluation and the tests all call this, so a measure
+    is written once."""
+    logits = None
+    if ec.needs_vocab:
+        logits = exit_logits(params, heads, slot, h, cfg)
+        conf = confidence_from_logits(logits, ec.measure)
+    elif ec.measure == "saturation":
+        conf = saturation(h, state.h_prev)
+    else:
+        conf = classifier_confidence(heads, slot, h, cfg)
+    return conf.astype(jnp.float32), logits, dataclasses.replace(state, h_prev=h)
+
+
 def batch_exits(confident: jax.Array, active: jax.Array, policy: str, quorum: float
                 ) -> jax.Array:
     """Whether the batch leaves now. confident, active: [B] bool. Padding rows (inactive)
