@@ -59,7 +59,7 @@ def load(args):
     from ee_jax.models.loading import LoadedModel, load_model
 
     if args.tiny:
-        from tests.fakes import tiny_config
+        from ee_jax.testing import tiny_config
 
         cfg = tiny_config(eos_token_ids=(), max_position=2048)
         params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.4)

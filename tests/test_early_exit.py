@@ -23,7 +23,7 @@ from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape, unpack_results
 from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
-from tests.fakes import tiny_config
+from ee_jax.testing import tiny_config
 from tests.reference import run_requests
 
 CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128, d 48, GQA 4/2, head_dim 16

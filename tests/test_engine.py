@@ -7,7 +7,7 @@ import pytest
 
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
-from tests.fakes import tiny_model
+from ee_jax.testing import tiny_model
 from tests.reference import dense_greedy, run_requests
 
 CFG, PARAMS = tiny_model(seed=3, eos_token_ids=())

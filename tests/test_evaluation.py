@@ -31,7 +31,7 @@ from ee_jax.evaluation.sweep import FULL
 from ee_jax.models import exits, llama
 from ee_jax.models.exits import ExitConfig
 from ee_jax.models.loading import LoadedModel
-from tests.fakes import tiny_config
+from ee_jax.testing import tiny_config
 
 CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128: no EOS, so lengths are fixed
 # Peaked distributions (as in test_early_exit), so confidences spread over (0, 1).

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from ee_jax.models import exits, llama
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from tests.fakes import tiny_model
+from ee_jax.testing import tiny_model
 
 CFG, PARAMS = tiny_model(seed=2)
 LOGITS = hnp.arrays(np.float32, (3, 17), elements=st.floats(-30, 30, width=32))

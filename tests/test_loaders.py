@@ -24,7 +24,7 @@ from ee_jax.models.gguf import gguf_config, load_gguf, permute_qk_rows, unpermut
 from ee_jax.models.hf import config_from_hf, load_hf
 from ee_jax.models.llama import cast_params, forward, param_shapes
 from ee_jax.models.registry import MODELS, load_params, resolve_model
-from tests.fakes import tiny_config
+from ee_jax.testing import tiny_config
 
 Q = gguf.GGMLQuantizationType
 SEQ = 320  # > 300 tokens: short prompts hide RoPE bugs

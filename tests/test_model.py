@@ -7,7 +7,7 @@ import pytest
 
 from ee_jax.models import llama
 from ee_jax.models.config import ConfigError, ModelConfig
-from tests.fakes import tiny_model
+from ee_jax.testing import tiny_model
 
 CFG, PARAMS = tiny_model(seed=1)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 40)), jnp.int32)

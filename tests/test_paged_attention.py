@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from ee_jax.models.llama import attention_weights_mask, gqa_attention
 from ee_jax.serving.attention import AttentionMetadata, paged_attention, write_kv
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
-from tests.fakes import tiny_config
+from ee_jax.testing import tiny_config
 
 CFG = tiny_config(n_layers=2)
 

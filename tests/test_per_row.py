@@ -24,7 +24,7 @@ from ee_jax.serving.early_exit import per_row_decode
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.params import greedy
-from tests.fakes import tiny_config
+from ee_jax.testing import tiny_config
 from tests.reference import dense_greedy, run_requests
 
 CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128, d 48, GQA 4/2, head_dim 16

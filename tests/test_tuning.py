@@ -13,10 +13,10 @@ import pytest
 from ee_jax.models import exits
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 from ee_jax.models.loading import LoadedModel
+from ee_jax.testing import tiny_model
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
 from ee_jax.training.tune import TuneConfig, TuneConfigError, tune
-from tests.fakes import tiny_model
 
 CFG, PARAMS = tiny_model(seed=4)
 MODEL = LoadedModel(CFG, PARAMS, None, "tiny")

@@ -1,4 +1,8 @@
-"""Tiny configurations and random models shared by tests, examples and benchmarks."""
+"""Tiny configurations and random models shared by tests, examples and benchmarks.
+
+Part of the package (not tests/) so that bench/ and notebooks can build the same tiny models
+without importing from the test tree.
+"""
 
 from __future__ import annotations
 
@@ -23,5 +27,6 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def tiny_model(seed: int = 0, **overrides):
+    """`tiny_config(**overrides)` and its random parameters (normal, scale 0.1)."""
     cfg = tiny_config(**overrides)
     return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=0.1)
