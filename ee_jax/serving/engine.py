@@ -173,7 +173,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-            ids = list(self.tokenizer.encode(prompt))
+            try:  # e.g. a lone surrogate ("\udcff"): the Rust tokenizer raises TypeError
+                ids = list(self.tokenizer.encode(prompt))
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise InvalidRequestError(f"the prompt cannot be tokenized ({e}); send valid "
+                                          f"Unicode text (no lone surrogates)", "prompt") from e
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]

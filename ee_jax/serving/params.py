@@ -3,13 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
 
 from ee_jax.errors import EEJaxError
 
 
 class InvalidRequestError(EEJaxError, ValueError):
-    """A request that cannot be served as given; the message says what to change."""
+    """A request that cannot be served as given; the message says what to change.
+
+    `param` names the offending field where there is one (the HTTP server reports it as
+    OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _finite(name: str, x) -> float:
+    """x as a float, or InvalidRequestError naming `name` (a string, bool, inf or nan)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool) or not math.isfinite(x):
+        raise InvalidRequestError(f"{name} must be a finite number, got {x!r}", name)
+    return float(x)
+
+
+def _int_tuple(name: str, xs) -> tuple[int, ...]:
+    if isinstance(xs, str | bytes) or not all(_is_int(t) for t in xs):
+        raise InvalidRequestError(f"{name} must be a list of integer token ids, got {xs!r}", name)
+    return tuple(int(t) for t in xs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,29 +65,37 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if self.stop is None or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got "
+                                      f"{self.stop!r}", "stop")
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "forced_tokens", tuple(int(t) for t in self.forced_tokens))
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        object.__setattr__(self, "stop_token_ids",
+                           _int_tuple("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "forced_tokens", _int_tuple("forced_tokens", self.forced_tokens))
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequestError(
-                f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        # Non-finite knobs (inf, nan) would reach the sampler as garbage: refuse them here.
+        if not _finite("temperature", self.temperature) >= 0:
             raise InvalidRequestError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}",
+                "temperature")
+        if not 0 < _finite("top_p", self.top_p) <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_int(self.top_k):
             raise InvalidRequestError(f"top_k must be an integer (<= 0 disables), got "
-                                      f"{self.top_k!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**31:
-            raise InvalidRequestError(f"seed must be in [0, 2**31), got {self.seed!r}")
-        if self.exit_threshold is not None and not (
-                0.0 <= self.exit_threshold <= 1.0 or self.exit_threshold == float("inf")):
+                                      f"{self.top_k!r}", "top_k")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**31):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**31), got "
+                                      f"{self.seed!r}", "seed")
+        t = self.exit_threshold
+        if t is not None and (not isinstance(t, numbers.Real) or isinstance(t, bool) or not (
+                0.0 <= t <= 1.0 or t == float("inf"))):
             raise InvalidRequestError(
-                f"exit_threshold must be in [0, 1] (or float('inf') for never), got "
-                f"{self.exit_threshold!r}")
+                f"exit_threshold must be in [0, 1] (or float('inf') for never), got {t!r}",
+                "exit_threshold")
         if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
 
     @property
     def greedy(self) -> bool:
