@@ -10,6 +10,10 @@ import jax.numpy as jnp
 from ee_jax.errors import EEJaxError
 
 DType = Literal["float32", "bfloat16", "float16"]
+Activation = Literal["silu", "gelu_tanh"]
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class ConfigError(EEJaxError, ValueError):
@@ -37,7 +41,20 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA)."""
+    """A decoder of the Llama family and its relatives, as static switches.
+
+    Llama 2/3, SmolLM2 and Mistral are the defaults plus a sliding window; Qwen2/2.5 set
+    `qkv_bias`; Qwen3 sets `qk_norm`; Gemma 2 sets `norm_offset=1`, `embed_scale`,
+    `post_norms`, `activation="gelu_tanh"`, both soft-caps, `query_pre_attn_scalar` and
+    alternating `layer_types`. Every switch is read by one function in `ee_jax.models.llama`.
+
+    sliding_window: keys further back than this many positions are masked (a key at
+        q_pos - k_pos < window is seen, as in transformers), on the layers that `layer_types`
+        marks "sliding_attention" (every layer when `layer_types` is None). It is not a cap on
+        the context.
+    norm_offset: RMSNorm multiplies by (norm_offset + weight) in f32 (Gemma: 1); with 0 it is
+        Llama's `weight * x_normed` in the input dtype.
+    """
 
     vocab_size: int
     d_model: int
@@ -55,6 +72,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    # --- family switches (defaults: Llama)
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + w)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(d_model)
+    post_norms: bool = False  # Gemma 2: norms on the attention and MLP outputs as well
+    activation: Activation = "silu"  # gated MLP activation (Gemma: tanh-approximated GELU)
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] | None = None  # per layer; None: all alike
+    attn_logit_softcap: float | None = None  # scores -> tanh(s / c) * c before the mask
+    final_logit_softcap: float | None = None  # logits of every head -> tanh(l / c) * c
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -74,6 +103,29 @@ class ModelConfig:
                 f"ModelConfig.dtype must be float32/bfloat16/float16, got {self.dtype!r}")
         if not isinstance(self.eos_token_ids, tuple):
             object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got "
+                              f"{self.activation!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
+            raise ConfigError(f"ModelConfig.sliding_window must be a positive int or None, "
+                              f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.n_layers:
+                raise ConfigError(f"ModelConfig.layer_types has {len(self.layer_types)} "
+                                  f"entries for {self.n_layers} layers")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ConfigError(f"ModelConfig.layer_types holds {bad}; each entry must be "
+                                  f"one of {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("ModelConfig.layer_types marks sliding_attention layers but "
+                                  "sliding_window is None")
+        for field in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ConfigError(f"ModelConfig.{field} must be > 0 or None, got {value!r}")
 
     @property
     def q_per_kv(self) -> int:
@@ -82,6 +134,21 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention scores q.k are multiplied by: 1/sqrt(head_dim), or Gemma's
+        query_pre_attn_scalar ** -0.5."""
+        return float((self.query_pre_attn_scalar or self.head_dim) ** -0.5)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Per layer: its window, or 0 for a global layer; None when no layer has a window."""
+        if self.sliding_window is None:
+            return None
+        types = self.layer_types or ("sliding_attention",) * self.n_layers
+        windows = tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
+        return windows if any(windows) else None
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -207,7 +207,7 @@ def _slot(tree, slot):
 
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head."""
-    hn = llama.rms_norm(h, _slot(heads["norm"], slot), cfg.rms_eps)
+    hn = llama.norm(h, _slot(heads["norm"], slot), cfg)
     if "adapter" in heads:
         ad = _slot(heads["adapter"], slot)
         hn = hn + (hn @ ad["down"]) @ ad["up"]
@@ -228,7 +228,7 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
     where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
     own head weights); the vocabulary projection is one matmul shared by all rows."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
-    final = llama.rms_norm(h, params["final_norm"], cfg.rms_eps)
+    final = llama.norm(h, params["final_norm"], cfg)
     return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
 
 
@@ -257,7 +257,7 @@ def saturation(h: jax.Array, h_prev: jax.Array) -> jax.Array:
 def classifier_logit(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The learned confidence before the sigmoid (what tuning's BCE loss sees)."""
     c = _slot(heads["classifier"], slot)
-    hn = llama.rms_norm(h, _slot(heads["norm"], slot), cfg.rms_eps).astype(jnp.float32)
+    hn = llama.norm(h, _slot(heads["norm"], slot), cfg).astype(jnp.float32)
     return hn @ c["w"] + c["b"]
 
 

@@ -6,12 +6,18 @@ traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
     embed       [V, D]
     layers/     attn_norm [L, D]      wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
                 mlp_norm  [L, D]      w_gate, w_up [L, D, F]                 w_down [L, F, D]
+                bq [L, H*hd], bk, bv [L, K*hd]          (cfg.qkv_bias: Qwen2)
+                q_norm, k_norm [L, hd]                  (cfg.qk_norm: Qwen3)
+                post_attn_norm, post_mlp_norm [L, D]    (cfg.post_norms: Gemma 2)
     final_norm  [D]
     lm_head     [D, V]      (absent when the head is tied to `embed`)
 
-Weights are stored input-major (`x @ w`). Nothing here knows about caches or batching:
+Weights are stored input-major (`x @ w`). Norm weights are stored as the checkpoint holds
+them; `norm` applies the family's rule (Gemma's 1 + w) in one place, for the layers, the
+final head and the exit heads alike. Nothing here knows about caches or batching:
 attention is injected into `decoder_layer` as a function, so the serving code wraps these
-functions instead of re-implementing them.
+functions instead of re-implementing them. The families differ only by `ModelConfig`
+switches, each read here by one function (see `ModelConfig`).
 """
 
 from __future__ import annotations
@@ -62,6 +68,13 @@ def param_shapes(cfg: ModelConfig) -> Params:
         },
         "final_norm": s(D),
     }
+    layers = tree["layers"]
+    if cfg.qkv_bias:
+        layers.update(bq=s(L, q_dim), bk=s(L, kv_dim), bv=s(L, kv_dim))
+    if cfg.qk_norm:
+        layers.update(q_norm=s(L, cfg.head_dim), k_norm=s(L, cfg.head_dim))
+    if cfg.post_norms:
+        layers.update(post_attn_norm=s(L, D), post_mlp_norm=s(L, D))
     if not cfg.tie_embeddings:
         tree["lm_head"] = s(D, V)
     return tree
@@ -93,7 +106,8 @@ def check_params(cfg: ModelConfig, params: Params, *, source: str = "params") ->
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters (tests, benchmarks with same-shape weights)."""
+    """Random parameters (tests, benchmarks with same-shape weights). Norms scale by about
+    1 whatever the family's norm rule."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
@@ -101,7 +115,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
     for (path, sd), k in zip(leaves, keys, strict=True):
         name = jax.tree_util.keystr(path)
         if "norm" in name:
-            out.append(1.0 + 0.1 * jax.random.normal(k, sd.shape, sd.dtype))
+            out.append((1.0 - cfg.norm_offset) + 0.1 * jax.random.normal(k, sd.shape, sd.dtype))
         else:
             out.append(scale * jax.random.normal(k, sd.shape, sd.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -120,11 +134,22 @@ def layer_params(params: Params, i) -> LayerParams:
 # --------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in f32, returned in the input dtype (as Llama does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in f32, returned in the input dtype.
+
+    offset 0: Llama's `weight * normed.astype(dtype)`; offset 1: Gemma's
+    `(normed * (1 + weight)).astype(dtype)`, the scale taken in f32."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The model's norm (over the last axis) with its family's weight rule. Every model norm
+    weight (layers, final, exit heads) goes through here."""
+    return rms_norm(x, weight, cfg.rms_eps, cfg.norm_offset)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -161,10 +186,29 @@ def _split_heads(x: jax.Array, n: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
 
 
+def _project_heads(lp: LayerParams, xn: jax.Array, which: str, n: int, cfg: ModelConfig):
+    """xn @ w{which} (+ bias) split into n heads: [..., T, D] -> [..., T, n, hd]; q and k get
+    the per-head norm (Qwen3) here, before RoPE."""
+    y = xn @ lp["w" + which]
+    if cfg.qkv_bias:
+        y = y + lp["b" + which]
+    y = _split_heads(y, n)
+    if cfg.qk_norm and which in ("q", "k"):
+        y = norm(y, lp[which + "_norm"], cfg)
+    return y
+
+
+def q_project(lp: LayerParams, xn: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """Q (with RoPE) of already-normed input. xn: [..., T, D] -> [..., T, H, hd]."""
+    q = _project_heads(lp, xn, "q", cfg.n_heads, cfg)
+    return apply_rope(q, positions, rope_inv_freq(cfg))
+
+
 def kv_from_normed(lp: LayerParams, xn: jax.Array, positions: jax.Array, cfg: ModelConfig):
-    """K (with RoPE) and V of already-normed input. xn: [..., T, D] -> [..., T, K, hd] each."""
-    k = _split_heads(xn @ lp["wk"], cfg.n_kv_heads)
-    v = _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    """K (with RoPE) and V of already-normed input. xn: [..., T, D] -> [..., T, K, hd] each.
+    Every family change to K/V (bias, k norm, RoPE) lives here, so back-fill stays exact."""
+    k = _project_heads(lp, xn, "k", cfg.n_kv_heads, cfg)
+    v = _project_heads(lp, xn, "v", cfg.n_kv_heads, cfg)
     return apply_rope(k, positions, rope_inv_freq(cfg)), v
 
 
@@ -174,21 +218,41 @@ def kv_project(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelCo
     The layer itself and the early-exit back-fill both go through this function, so the
     cache entries a back-fill writes are exactly what the layer would have written.
     """
-    return kv_from_normed(lp, rms_norm(x, lp["attn_norm"], cfg.rms_eps), positions, cfg)
+    return kv_from_normed(lp, norm(x, lp["attn_norm"], cfg), positions, cfg)
 
 
-def attention_weights_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array | None = None):
-    """Causal mask [..., T, S]: key position <= query position (and key valid)."""
-    mask = k_pos[..., None, :] <= q_pos[..., :, None]
+def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
+    """The sliding window of `layer` (a Python int or a traced scalar) as an int32 scalar,
+    0 for a global layer; None (static) when no layer of the model has a window."""
+    windows = cfg.layer_windows
+    if windows is None:
+        return None
+    return jnp.asarray(windows, jnp.int32)[layer]
+
+
+def attention_weights_mask(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array | None = None,
+                           window: jax.Array | int | None = None) -> jax.Array:
+    """Mask [..., T, S]: a key is seen iff k_pos <= q_pos, it is valid, and (with a window
+    > 0) q_pos - k_pos < window — transformers' sliding-window rule (`kv_idx > q_idx -
+    sliding_window`): the query and the window - 1 keys before it. window None or <= 0:
+    no window (a global layer)."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]  # [..., T, S]
+    mask = diff >= 0
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)
+        mask = mask & ((window <= 0) | (diff < window))
     if k_valid is not None:
         mask = mask & k_valid[..., None, :]
     return mask
 
 
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                  scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention with a boolean mask.
 
     q: [..., T, H, hd]; k, v: [..., S, K, hd]; mask: [..., T, S] -> [..., T, H, hd].
+    Scores are q.k * scale (default 1/sqrt(hd); pass `cfg.attn_scale`), soft-capped as
+    tanh(s / softcap) * softcap when `softcap` is set (Gemma 2), then masked.
     Heads are moved in front so both products are plain batched matmuls (the query heads
     sharing a kv head are folded into the row axis); XLA's CPU backend runs that layout
     about twice as fast as a dot_general with interleaved batch axes. Softmax in f32.
@@ -196,11 +260,14 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     *lead, T, H, hd = q.shape
     K = k.shape[-2]
     G = H // K
+    scale = hd ** -0.5 if scale is None else scale
     qh = jnp.moveaxis(q.reshape(*lead, T, K, G, hd), -3, -4).reshape(*lead, K, T * G, hd)
     kh = jnp.moveaxis(k, -2, -3)  # [..., K, S, hd]
     vh = jnp.moveaxis(v, -2, -3)
     scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2),
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)  # [..., K, T*G, S]
+                        preferred_element_type=jnp.float32) * scale  # [..., K, T*G, S]
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     m = jnp.repeat(mask, G, axis=-2)[..., None, :, :]  # rows are (t, g), t-major
     scores = jnp.where(m, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -211,37 +278,59 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(*lead, T, H, hd)
 
 
-def mlp(lp: LayerParams, x: jax.Array) -> jax.Array:
-    """SwiGLU."""
-    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP: SwiGLU, or GeGLU (tanh GELU) when cfg.activation is "gelu_tanh"."""
+    gate = x @ lp["w_gate"]
+    if cfg.activation == "gelu_tanh":
+        act = jax.nn.gelu(gate, approximate=True)
+    else:
+        act = jax.nn.silu(gate)
+    return (act * (x @ lp["w_up"])) @ lp["w_down"]
 
 
 def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
                   attend: AttendFn) -> tuple[jax.Array, Any]:
-    """One pre-norm block. x: [..., T, D]. `attend` sees this layer's q, k, v and may read
-    and write a cache; whatever it returns besides the output comes back as `aux`."""
-    xn = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = apply_rope(_split_heads(xn @ lp["wq"], cfg.n_heads), positions, rope_inv_freq(cfg))
+    """One pre-norm block (with Gemma 2's extra norms on both outputs when cfg.post_norms).
+    x: [..., T, D]. `attend` sees this layer's q, k, v and may read and write a cache; it
+    applies the layer's mask (`layer_window`), `cfg.attn_scale` and `cfg.attn_logit_softcap`.
+    Whatever it returns besides the output comes back as `aux`."""
+    xn = norm(x, lp["attn_norm"], cfg)
+    q = q_project(lp, xn, positions, cfg)
     k, v = kv_from_normed(lp, xn, positions, cfg)
     o, aux = attend(q, k, v)
-    x = x + o.reshape(*o.shape[:-2], -1) @ lp["wo"]
-    x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps))
-    return x, aux
+    o = o.reshape(*o.shape[:-2], -1) @ lp["wo"]
+    if cfg.post_norms:
+        o = norm(o, lp["post_attn_norm"], cfg)
+    x = x + o
+    m = mlp(lp, norm(x, lp["mlp_norm"], cfg), cfg)
+    if cfg.post_norms:
+        m = norm(m, lp["post_mlp_norm"], cfg)
+    return x + m, aux
 
 
 def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The LM head on an already-normed hidden state; logits in f32. Exit heads reuse it."""
+    """The LM head on an already-normed hidden state; logits in f32, soft-capped when the
+    family caps them (Gemma 2). Exit heads reuse it, so their logits are capped alike."""
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.matmul(xn, w, preferred_element_type=jnp.float32)
+    logits = jnp.matmul(xn, w, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        c = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / c) * c
+    return logits
 
 
 def final_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm + LM head. h: [..., D] -> logits [..., V] (f32)."""
-    return unembed(params, rms_norm(h, params["final_norm"], cfg.rms_eps), cfg)
+    return unembed(params, norm(h, params["final_norm"], cfg), cfg)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
+    """Token embeddings [..., D]; times sqrt(d_model) (rounded to the model dtype, as
+    transformers does) for families with `cfg.embed_scale` (Gemma) — pass `cfg` for those."""
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg is not None and cfg.embed_scale:
+        x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+    return x
 
 
 # --------------------------------------------------------------------------- dense forward
@@ -259,17 +348,22 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    mask = attention_weights_mask(positions, positions)  # [B, T, T]
 
-    def attend(q, k, v):
-        return gqa_attention(q, k, v, mask), None
+    def body(x, layer):
+        lp, i = layer
+        mask = attention_weights_mask(positions, positions,
+                                      window=layer_window(cfg, i))  # [B, T, T]
 
-    def body(x, lp):
+        def attend(q, k, v):
+            return gqa_attention(q, k, v, mask, scale=cfg.attn_scale,
+                                 softcap=cfg.attn_logit_softcap), None
+
         x, _ = decoder_layer(lp, x, positions, cfg, attend)
         return x, (x if return_hidden else None)
 
-    x = embed(params, tokens)
-    x, hidden = jax.lax.scan(body, x, params["layers"])
+    x = embed(params, tokens, cfg)
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    x, hidden = jax.lax.scan(body, x, (params["layers"], layer_ids))
     logits = final_head(params, x, cfg)
     if return_hidden:
         return logits, hidden
