@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 from collections.abc import Sequence as Seq
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.models.exits import ExitConfig
@@ -58,8 +60,14 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A bad prompt yields an output with
         `finish_reason == "error"` and `error` set; the others are served normally."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (
+                isinstance(prompts, Seq) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, Seq):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list "
+                                      f"of those, got {type(prompts).__name__}", "prompts")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -74,11 +82,11 @@ class LLM:
             rid = f"req-{self._counter}"
             self._counter += 1
             order.append(rid)
-            try:
-                self.engine.add_request(rid, prompt, sp)
+            try:  # one bad request gets an error output; the others are served
+                self.engine.add_request(rid, _checked_prompt(prompt), sp)
             except InvalidRequestError as e:
                 results[rid] = _error_output(rid, prompt, str(e))
-        total = sum(sp.max_tokens for rid, sp in zip(order, sampling_params, strict=True)
+        total = sum(int(sp.max_tokens) for rid, sp in zip(order, sampling_params, strict=True)
                     if rid not in results)
         bar = tqdm(total=total, desc="generate", unit="tok", file=sys.stderr,
                    disable=not use_tqdm, leave=False)
@@ -99,11 +107,28 @@ class LLM:
         return self.generate(prompts, sampling_params, **kw)
 
 
+def _is_token_id(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _checked_prompt(prompt) -> Prompt:
+    """A str or a list of ints, else InvalidRequestError (the engine would raise TypeError)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()
+    if isinstance(prompt, Seq) and all(_is_token_id(t) for t in prompt):
+        return [int(t) for t in prompt]
+    raise InvalidRequestError(f"a prompt must be a string or a list of integer token ids, got "
+                              f"{prompt!r:.80}", "prompt")
+
+
 def _error_output(rid: str, prompt: Prompt, message: str) -> RequestOutput:
     now = time.perf_counter()
     return RequestOutput(
         request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), text="",
+        prompt_token_ids=(list(prompt) if isinstance(prompt, Seq) and not isinstance(prompt, str)
+                          else []), text="",
         token_ids=[], finished=True, finish_reason="error", error=message,
         metrics=RequestMetrics(arrival_time=now, finish_time=now))
 
