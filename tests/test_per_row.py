@@ -277,8 +277,13 @@ def test_rows_do_not_depend_on_their_batch(engine):
 
 
 def test_one_decode_program_whatever_the_exits(engine):
-    """Runs after the tests above (module order): many exit patterns, one program each."""
-    run_requests(engine, PROMPTS[:3], [greedy(5, exit_threshold=t) for t in (0.0, NEVER, 0.6)])
+    """Many exit patterns (every exit layer and full depth), one program each. Self-contained:
+    the patterns come from this test's own requests, whichever tests ran before it."""
+    outs = run_requests(engine, PROMPTS, [greedy(5, exit_threshold=t) for t in THRESHOLDS])
+    outs += run_requests(engine, PROMPTS[:3],
+                         [greedy(5, exit_threshold=t) for t in (0.0, NEVER, 0.6)])
+    seen = {e for o in outs for e in o.exit_layers[1:]}  # [0]: prefill
+    assert seen == {*EXIT_LAYERS, L}, seen
     assert all(v == 1 for v in engine.runner.traces.values()), engine.runner.traces
     assert len([s for s in engine.runner.traces if s.tokens == 1]) == 1
     assert set(engine.stats.row_exit_counts) == {*EXIT_LAYERS, L}
