@@ -1,0 +1,416 @@
+"""The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions over one engine loop.
+
+Each HTTP request becomes one engine request per prompt and choice, submitted to the
+`EngineLoop`; its events come back through one asyncio queue. A request is answered only after
+the engine accepted it, so every refusal is a 4xx before any byte of a stream is sent. A
+streaming client that disconnects cancels its generator, which aborts its engine requests (and
+frees their pages); a non-streaming one is polled for disconnects while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import itertools
+import json
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ee_jax.models.tokenizer import ChatTemplateError
+from ee_jax.serving.engine import LLMEngine
+from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
+from ee_jax.serving.server import protocol
+from ee_jax.serving.server.engine_loop import EngineLoop, Event
+from ee_jax.serving.server.metrics import ServerMetrics
+from ee_jax.serving.server.protocol import ApiError, ChatBody, CompletionBody, Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Safe defaults: localhost only, 1 MiB bodies, prompts that leave room to generate."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "ee-jax"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # default: max_model_len - 1
+    max_pending: int = 4096  # engine requests in flight before new ones get 429
+    log_level: str = "warning"
+
+    def __post_init__(self):
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
+            raise ValueError(f"max_prompt_tokens must be positive, got "
+                             f"{self.max_prompt_tokens}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
+    if engine.tokenizer is None:
+        raise ValueError("the server needs a model with a tokenizer")
+    mcfg = engine.model_config
+    max_prompt = config.max_prompt_tokens or engine.config.max_model_len - 1
+    limits = Limits(max_model_len=engine.config.max_model_len,
+                    max_prompt_tokens=min(max_prompt, engine.config.max_model_len - 1),
+                    vocab_size=mcfg.vocab_size, has_exits=engine.exit_config is not None)
+    metrics = ServerMetrics(mcfg.n_layers, engine.blocks.num_pages)
+    loop = EngineLoop(engine, metrics)
+    state = _State(engine, loop, metrics, config, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.shutdown)
+
+    app = FastAPI(title="ee-jax", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ee = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        if exc.status < 500:
+            metrics.rejected.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        metrics.rejected.labels(str(exc.status_code)).inc()
+        message = (f"no such endpoint: {request.method} {request.url.path}"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return JSONResponse(ApiError(exc.status_code, message).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        traceback.print_exception(exc, file=sys.stderr)
+        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); see the "
+                                     f"server log").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.authorize(request)
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": state.created,
+            "owned_by": "ee-jax", "max_model_len": limits.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await state.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await state.handle(request, chat=True)
+
+    return app
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    output: RequestOutput | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    started: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None and self.output.finished
+
+
+class _State:
+    def __init__(self, engine: LLMEngine, loop: EngineLoop, metrics: ServerMetrics,
+                 config: ServerConfig, limits: Limits):
+        self.engine, self.loop, self.metrics = engine, loop, metrics
+        self.config, self.limits = config, limits
+        self.tokenizer = engine.tokenizer
+        self.num_layers = engine.model_config.n_layers
+        self.created = int(time.time())
+        self.pending = 0
+        self._ids = itertools.count()
+
+    # -- checks ------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                           "with the key the server was started with", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> object:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        over = declared.isdigit() and int(declared) > limit
+        chunks, size = [], 0
+        async for chunk in request.stream():  # read it all: answering early resets clients
+            size += len(chunk)
+            over = over or size > limit
+            if not over:
+                chunks.append(chunk)
+            elif size > 64 * limit:
+                break
+        if over:
+            raise ApiError(413, f"the request body is over this server's limit of {limit} "
+                           f"bytes (--max-body-bytes)", code="request_too_large")
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    def encode(self, text: str, field: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text))
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise ApiError(400, f"the {field} cannot be tokenized ({e}); send valid Unicode "
+                           f"text (no lone surrogates)", field) from None
+
+    # -- one HTTP request ----------------------------------------------------------------
+
+    async def handle(self, request: Request, chat: bool):
+        arrival = time.perf_counter()
+        self.authorize(request)
+        body = protocol.parse(ChatBody if chat else CompletionBody,
+                              await self.read_json(request))
+        if body.model != self.config.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{self.config.model_name!r} (see /v1/models)", "model",
+                           code="model_not_found")
+        if chat:
+            try:
+                text = self.tokenizer.apply_chat_template(protocol.chat_messages(body),
+                                                          add_generation_prompt=True)
+            except ChatTemplateError as e:
+                raise ApiError(400, str(e), "messages") from None
+            prompts = [self.encode(text, "messages")]
+            field = "messages"
+        else:
+            prompts = [p if isinstance(p, list) else self.encode(p, "prompt")
+                       for p in protocol.completion_prompts(body)]
+            field = "prompt"
+        base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        choices = []
+        for p, ids in enumerate(prompts):
+            protocol.check_prompt_ids(ids, self.limits, field)
+            for j in range(body.n):
+                i = p * body.n + j
+                sp = protocol.sampling_params(body, len(ids), i, self.limits, chat)
+                choices.append(_Choice(i, f"{base}-{i}", len(ids), sp))
+        if self.pending + len(choices) > self.config.max_pending:
+            raise ApiError(429, f"the server is busy ({self.pending} requests in flight); "
+                           f"retry later", code="server_busy", type="rate_limit_error")
+        stream = _Stream(self, request, body, chat, base, choices, [len(x) for x in prompts])
+        await stream.submit(prompts, body.n, arrival)
+        if body.stream:
+            return StreamingResponse(stream.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            await stream.wait_all()
+        finally:
+            stream.close()
+        return stream.response()
+
+
+class _Stream:
+    """The engine requests of one HTTP request and the events coming back for them."""
+
+    def __init__(self, state: _State, request: Request, body, chat: bool, base: str,
+                 choices: list[_Choice], prompt_lens: list[int]):
+        self.state, self.request, self.body, self.chat = state, request, body, chat
+        self.id, self.choices, self.prompt_lens = base, choices, prompt_lens
+        self.by_id = {c.request_id: c for c in choices}
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.created = int(time.time())
+        self.held: list[Event] = []
+        self.submitted: list[str] = []
+        self.closed = False
+
+    async def submit(self, prompts: list[list[int]], n: int, arrival: float) -> None:
+        """Submit every choice; returns once the engine accepted all (else ApiError)."""
+        aio = asyncio.get_running_loop()
+        q = self.queue
+
+        def sink(event: Event) -> None:
+            aio.call_soon_threadsafe(q.put_nowait, event)
+
+        self.state.pending += len(self.choices)
+        try:
+            for c in self.choices:
+                self.state.loop.submit(c.request_id, prompts[c.index // n], c.params, sink,
+                                       arrival)
+                self.submitted.append(c.request_id)
+            accepted = 0
+            while accepted < len(self.choices):
+                event = await self.queue.get()
+                if event.kind == "accepted":
+                    accepted += 1
+                elif event.kind == "error":
+                    raise _api_error(event.error)
+                else:
+                    self.held.append(event)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort whatever has not finished (a client gone, an error); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.pending -= len(self.choices)
+        for rid in self.submitted:
+            if not self.by_id[rid].finished:
+                self.state.loop.abort(rid)
+
+    async def events(self, poll_disconnect: bool) -> AsyncIterator[Event]:
+        """Events until every choice finished; raises ApiError if the engine failed."""
+        while self.held:
+            yield self.held.pop(0)
+        while not all(c.finished for c in self.choices):
+            if poll_disconnect:
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if await self.request.is_disconnected():
+                        return
+                    continue
+            else:
+                event = await self.queue.get()
+            if event.kind == "error":
+                raise _api_error(event.error)
+            yield event
+
+    async def wait_all(self) -> None:
+        async for event in self.events(poll_disconnect=True):
+            if event.output is not None and event.request_id in self.by_id:
+                self.by_id[event.request_id].output = event.output
+
+    # -- responses -----------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        layers = [e for c in self.choices if c.output for e in (c.output.exit_layers or [])]
+        completion = sum(len(c.output.token_ids) for c in self.choices if c.output)
+        prompt = sum(self.prompt_lens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "early_exit": {"num_layers": self.state.num_layers, "layers_run": sum(layers),
+                               "mean_exit_layer": (round(sum(layers) / len(layers), 3)
+                                                   if layers else None)}}
+
+    def _logprobs(self, out: RequestOutput, start: int, stop: int) -> dict | None:
+        if out.logprobs is None:
+            return None
+        tok = self.state.tokenizer
+        ids, lps = out.token_ids[start:stop], out.logprobs[start:stop]
+        texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": []} for s, lp in zip(texts, lps, strict=True)]}
+        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": None,
+                "text_offset": None}
+
+    def response(self) -> dict:
+        choices = []
+        for c in self.choices:
+            out = c.output
+            reason = out.finish_reason
+            lp = self._logprobs(out, 0, len(out.token_ids))
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant",
+                                                              "content": out.text},
+                                "logprobs": lp, "finish_reason": reason})
+            else:
+                choices.append({"index": c.index, "text": out.text, "logprobs": lp,
+                                "finish_reason": reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.body.model, "choices": choices,
+                "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+               else "text_completion", "created": self.created, "model": self.body.model,
+               "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _delta(self, c: _Choice) -> dict | None:
+        """The choice's unsent text and tokens; text that may be the start of a stop string is
+        held back until the request finishes (the final text drops a matched stop string)."""
+        out = c.output
+        hold = 0 if out.finished else max((len(s) for s in c.params.stop), default=1) - 1
+        end = max(c.sent_text, len(out.text) - hold)
+        text = out.text[c.sent_text:end]
+        lp = (self._logprobs(out, c.sent_tokens, len(out.token_ids))
+              if len(out.token_ids) > c.sent_tokens else None)
+        if not text and lp is None and not out.finished:
+            return None
+        c.sent_text, c.sent_tokens = end, len(out.token_ids)
+        reason = out.finish_reason if out.finished else None
+        if self.chat:
+            delta = {"content": text}
+            if not c.started:
+                delta["role"] = "assistant"
+            c.started = True
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events: chunks as tokens come, [DONE] at the end. Cancelled when the
+        client disconnects; `close` then aborts what is still running."""
+        try:
+            async for event in self.events(poll_disconnect=False):
+                c = self.by_id.get(event.request_id)
+                if c is None or event.output is None:
+                    continue
+                c.output = event.output
+                part = self._delta(c)
+                if part is not None:
+                    yield self._chunk([part])
+            opts = self.body.stream_options or {}
+            if opts.get("include_usage"):
+                yield self._chunk([], self.usage())
+            yield "data: [DONE]\n\n"
+        except ApiError as e:  # the engine failed mid-stream: say so in the stream
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            self.close()
+
+
+def _api_error(error: Exception | None) -> ApiError:
+    if isinstance(error, InvalidRequestError):
+        return ApiError(400, str(error), error.param or "prompt")
+    return ApiError(500, f"the engine failed on this request ({type(error).__name__}: "
+                    f"{error}); see the server log")

@@ -1,0 +1,195 @@
+"""One thread owns the engine; requests come in through a queue, tokens go out as made.
+
+`LLMEngine` is not thread-safe, so only this thread touches it. Callers `submit` and `abort`
+(thread-safe: they only enqueue) and receive `Event`s through the sink they gave, called from
+the engine thread (an asyncio handler's sink hops onto its event loop). Between steps the
+thread drains the inbox; while nothing is in flight it sleeps on the inbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Literal
+
+from ee_jax.serving.engine import LLMEngine
+from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
+from ee_jax.serving.server.metrics import ServerMetrics
+
+
+@dataclasses.dataclass
+class Event:
+    """accepted: the engine took the request; output: it progressed (or finished);
+    error: it was refused (InvalidRequestError) or the engine failed."""
+
+    kind: Literal["accepted", "output", "error"]
+    request_id: str
+    output: RequestOutput | None = None
+    error: Exception | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+@dataclasses.dataclass
+class _Live:
+    sink: Sink
+    arrival: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Steps `engine` in a daemon thread until `shutdown`."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ee-jax-engine", daemon=True)
+        self._preemptions = 0
+
+    # -- any thread --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink,
+               arrival: float | None = None) -> None:
+        """Queue a request; `sink` gets "accepted" or "error", then its outputs."""
+        self._inbox.put(("add", request_id, prompt, params, sink,
+                         time.perf_counter() if arrival is None else arrival))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a client went away): its pages are freed at the next drain."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop stepping; requests still in flight are aborted (their sinks told so)."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if self._stop.is_set():
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._drain(block=False)
+        for rid in list(self._live):
+            self._abort(rid)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "add":
+                self._add(*item[1:])
+            elif item[0] == "abort":
+                self._abort(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, rid: str, prompt: list[int], params: SamplingParams, sink: Sink,
+             arrival: float) -> None:
+        try:
+            self.engine.add_request(rid, prompt, params)
+        except InvalidRequestError as e:
+            _send(sink, Event("error", rid, error=e))
+            return
+        except Exception as e:  # a bug: this request fails, the server carries on
+            traceback.print_exc(file=sys.stderr)
+            _send(sink, Event("error", rid, error=e))
+            return
+        self._live[rid] = _Live(sink, arrival)
+        _send(sink, Event("accepted", rid))
+
+    def _abort(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        try:
+            out = self.engine.abort_request(rid)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            out = None
+        if out is not None:
+            self._finished(out, live)
+            if live is not None:
+                _send(live.sink, Event("output", rid, output=out))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # fail what is in flight, keep serving new requests
+            traceback.print_exc(file=sys.stderr)
+            for rid in list(self._live):
+                live = self._live.pop(rid)
+                with contextlib.suppress(Exception):
+                    self.engine.abort_request(rid)
+                if self.metrics:
+                    self.metrics.requests.labels("error").inc()
+                _send(live.sink, Event("error", rid, error=e))
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            new = len(out.token_ids) - live.num_tokens
+            if self.metrics and new > 0:
+                if live.last_token_time is None:
+                    self.metrics.ttft.observe(now - live.arrival)
+                else:
+                    self.metrics.itl.observe((now - live.last_token_time) / new)
+                for layer in (out.exit_layers or [])[live.num_tokens:]:
+                    self.metrics.token(layer)
+            if new > 0:
+                live.num_tokens, live.last_token_time = len(out.token_ids), now
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._finished(out, live)
+            _send(live.sink, Event("output", out.request_id, output=out))
+        self._update_gauges()
+
+    def _finished(self, out: RequestOutput, live: _Live | None) -> None:
+        if not self.metrics:
+            return
+        self.metrics.requests.labels(out.finish_reason or "stop").inc()
+        self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        if live is not None:
+            self.metrics.latency.observe(time.perf_counter() - live.arrival)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if not self.metrics:
+            return
+        stats = self.engine.stats
+        self.metrics.preemptions.inc(stats.num_preemptions - self._preemptions)
+        self._preemptions = stats.num_preemptions
+        self.metrics.pages_used.set(self.engine.blocks.num_used_pages)
+        self.metrics.running.set(self.engine.num_unfinished_requests)
+
+
+def _send(sink: Sink, event: Event) -> None:
+    with contextlib.suppress(Exception):  # a sink whose event loop is gone: nobody listens
+        sink(event)
