@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,10 +48,8 @@ def _generate(args) -> int:
     from ee_jax.serving.params import SamplingParams
 
     items = _read_prompts(args)
-    from ee_jax.models.loading import load_model
-
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    model = _load_model(args)
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages, **_exit_kwargs(args, model))
     llm.load_time = time.perf_counter() - t0
@@ -115,6 +114,40 @@ def _generate(args) -> int:
               f"of full depth; {s.vocab_checks_per_decode_step:.1f} vocabulary projections "
               f"per step for exit checks (each costs one LM head)", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
+
+
+def _load_model(args):
+    """The model named by --model; "random" is a tiny random model with a byte tokenizer (for
+    trying the server or the CLI without a model file)."""
+    from ee_jax.models.loading import load_model
+
+    if args.model == "random":
+        from ee_jax.random_model import random_model
+
+        return random_model()
+    return load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+
+
+def _serve(args) -> int:
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.server import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"ee-jax: warning: serving on {args.host} without --api-key: anyone who can "
+              f"reach this port can use the model", file=sys.stderr)
+    model = _load_model(args)
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              page_size=args.page_size, num_pages=args.num_pages, **_exit_kwargs(args, model))
+    ec = llm.engine.exit_config
+    print(f"ee-jax: serving {config.model_name!r} on http://{config.host}:{config.port}/v1 "
+          f"({'early exit: ' + ec.policy + f', threshold {ec.threshold}' if ec else 'full depth'}"
+          f"); Ctrl-C stops", file=sys.stderr)
+    serve(llm.engine, config)
+    return 0
 
 
 def _exit_kwargs(args, model) -> dict:
@@ -225,23 +258,8 @@ def _add_eval_parser(sub) -> None:
     v.set_defaults(func=_eval)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ee-jax", description="Serve early-exit LLMs with JAX.")
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for a batch of prompts")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="registry name, .gguf file, HF folder or ee-jax checkpoint")
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--prompts-file", help=".txt (one prompt a line) or .jsonl "
-                   "({\"prompt\": ...} or {\"messages\": [...]})")
-    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap plain prompts in the model's chat template (default on)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+def _add_engine_args(g: argparse.ArgumentParser) -> None:
+    """Model dtype, KV cache and early-exit flags (generate and serve)."""
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-model-len", type=int, default=2048)
@@ -265,6 +283,50 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exit-heads", help="folder of trained exit heads (ee-jax tune); its exit "
                    "config is used, --exit-threshold/--exit-policy override; default: the "
                    "heads shipped with the model")
+
+
+def _add_serve_parser(sub) -> None:
+    v = sub.add_parser("serve", help="serve the model over HTTP with the OpenAI API "
+                       "(/v1/completions, /v1/chat/completions, /metrics)")
+    v.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, .gguf file, HF folder, ee-jax checkpoint, or 'random' "
+                   "(a tiny random model, for trying the server)")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: this "
+                   "machine only; 0.0.0.0 exposes the server, use --api-key then)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=os.environ.get("EE_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $EE_JAX_API_KEY)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: --model)")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get 413 (default 1 MiB)")
+    v.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts get 400 (default max_model_len - 1)")
+    v.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    v.add_argument("--quiet", action="store_true", help="no loading progress")
+    _add_engine_args(v)
+    v.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ee-jax", description="Serve early-exit LLMs with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for a batch of prompts")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, .gguf file, HF folder or ee-jax checkpoint")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help=".txt (one prompt a line) or .jsonl "
+                   "({\"prompt\": ...} or {\"messages\": [...]})")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap plain prompts in the model's chat template (default on)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_engine_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per output")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)
@@ -279,16 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_tune)
     _add_eval_parser(sub)
+    _add_serve_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every mistake ends in one line on stderr and exit status 2 (argparse's own usage
+    errors too); a traceback means a bug in ee-jax."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except EEJaxError as e:
-        print(f"ee-jax: error: {e}", file=sys.stderr)
+    except (EEJaxError, ValueError, OSError) as e:  # bad knobs, files, ports
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"ee-jax: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ee-jax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _byte_of(char: str) -> int:
 def random_config(**overrides) -> ModelConfig:
     """4 layers, GQA, vocabulary = the byte tokenizer's 259 ids."""
     base = dict(vocab_size=256 + len(SPECIAL_TOKENS), d_model=48, n_layers=4, n_heads=4,
-                n_kv_heads=2, head_dim=16, ffn_dim=96, max_position=1024, bos_token_id=None,
+                n_kv_heads=2, head_dim=16, ffn_dim=96, max_position=8192, bos_token_id=None,
                 eos_token_ids=(256,), name=NAME)
     base.update(overrides)
     return ModelConfig(**base)
