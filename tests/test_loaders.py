@@ -345,7 +345,8 @@ def test_config_from_hf_variants():
     new = dict(base, rope_theta=None, rope_parameters={"rope_type": "default",
                                                        "rope_theta": 5e5})
     assert config_from_hf(new).rope_theta == 5e5
-    assert config_from_hf(dict(base, sliding_window=4096)).max_position == 4096
+    windowed = config_from_hf(dict(base, sliding_window=4096))  # a window, not a context cap
+    assert (windowed.sliding_window, windowed.max_position) == (4096, 32768)
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -1,12 +1,18 @@
-"""Load a Hugging Face Llama/Mistral folder (`config.json` + safetensors) into our tree.
+"""Load a Hugging Face decoder folder (`config.json` + safetensors) into our tree.
+
+Families: Llama (Llama 2/3, SmolLM2), Mistral (sliding window), Qwen2/Qwen2.5 (q/k/v biases),
+Qwen3 (per-head q/k RMSNorm) and Gemma 2 (see `ee_jax.models.config.ModelConfig`). Each
+family is a row in `FAMILIES`: the config switches it sets and the names of its tensors.
 
 Hugging Face Linear weights are `[out, in]`; ours are input-major `[in, out]`, so every
 projection and the untied LM head are transposed. Q/K rows need no permutation: Hugging Face
-already uses the rotate-half RoPE that `ee_jax.models.llama.apply_rope` implements.
+already uses the rotate-half RoPE that `ee_jax.models.llama.apply_rope` implements. Norm
+weights are stored as the checkpoint holds them (Gemma's 1 + w is applied by `llama.norm`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -17,13 +23,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' num
 import numpy as np
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
-from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
+from ee_jax.models.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-
-# Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params["layers"].
+# Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params["layers"],
+# shared by every family; `Family.tensors` adds or overrides entries.
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm",
     "self_attn.q_proj.weight": "wq",
@@ -42,6 +46,62 @@ GLOBAL_TENSORS = {
 }
 # Buffers some older checkpoints saved; recomputed from the config, so ignored.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_QKV_BIAS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
+             "self_attn.v_proj.bias": "bv"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a Hugging Face `model_type` means here: the ModelConfig switches it sets, its
+    per-layer tensor names beyond `LAYER_TENSORS`, and the config.json defaults of its
+    transformers config class (used when a key is absent)."""
+
+    architecture: str
+    switches: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tensors: dict[str, str] = dataclasses.field(default_factory=dict)
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    act_key: str = "hidden_act"
+    activations: dict[str, str] = dataclasses.field(default_factory=lambda: {"silu": "silu"})
+    # config.json keys that put a bias on o_proj too (unsupported when true)
+    o_bias_keys: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", o_bias_keys=("attention_bias",),
+                    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
+    "mistral": Family("MistralForCausalLM",
+                      defaults={"rms_norm_eps": 1e-6, "sliding_window": 4096,
+                                "max_position_embeddings": 131072}),
+    "qwen2": Family("Qwen2ForCausalLM", switches={"qkv_bias": True}, tensors=_QKV_BIAS,
+                    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                              "sliding_window": 4096, "max_window_layers": 28}),
+    "qwen3": Family("Qwen3ForCausalLM", switches={"qk_norm": True},
+                    tensors={"self_attn.q_norm.weight": "q_norm",
+                             "self_attn.k_norm.weight": "k_norm"},
+                    o_bias_keys=("attention_bias",),
+                    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                              "sliding_window": 4096, "max_window_layers": 28}),
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        switches={"norm_offset": 1.0, "embed_scale": True, "post_norms": True},
+        tensors={"post_attention_layernorm.weight": "post_attn_norm",
+                 "pre_feedforward_layernorm.weight": "mlp_norm",
+                 "post_feedforward_layernorm.weight": "post_mlp_norm"},
+        act_key="hidden_activation",
+        activations={"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"},
+        o_bias_keys=("attention_bias",),
+        defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
+                  "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                  "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+}
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def layer_tensors(family: str) -> dict[str, str]:
+    """Hugging Face per-layer tensor suffix -> our layer key, for this family."""
+    return {**LAYER_TENSORS, **FAMILIES[family].tensors}
 
 
 def _rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -71,27 +131,92 @@ def _rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScali
         raise ModelLoadError(f"{source}: invalid rope scaling: {e}") from e
 
 
+def family_of(config: dict[str, Any], source: str = "config.json") -> str:
+    """The `FAMILIES` key of a config.json dict (by model_type, else by architecture)."""
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    if model_type in FAMILIES:
+        return model_type
+    by_arch = [name for name, f in FAMILIES.items() if f.architecture in archs]
+    if by_arch and model_type is None:
+        return by_arch[0]
+    what = f"architecture {archs} (model_type {model_type!r})" if archs else \
+        f"model_type {model_type!r}"
+    raise UnsupportedModelError(
+        f"{source}: {what} is not supported; ee-jax loads "
+        f"{' / '.join(SUPPORTED_ARCHITECTURES)} checkpoints (model_type "
+        f"{' / '.join(SUPPORTED_MODEL_TYPES)}).")
+
+
+def _windows_from_hf(config: dict[str, Any], family: str, n_layers: int, source: str
+                     ) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers derives them for this family."""
+    get = lambda key: config.get(key, FAMILIES[family].defaults.get(key))  # noqa: E731
+    window = get("sliding_window")
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None  # Qwen's config keeps a window size that only use_sliding_window enables
+    if family == "llama":
+        window = None
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        layer_types = tuple(layer_types)
+        bad = sorted(set(layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise UnsupportedModelError(
+                f"{source}: layer_types {bad} are not supported; ee-jax implements "
+                f"{' / '.join(LAYER_TYPES)} layers.")
+        if len(layer_types) != n_layers:
+            raise ModelLoadError(f"{source}: layer_types has {len(layer_types)} entries for "
+                                 f"num_hidden_layers={n_layers}.")
+    if not window:
+        if layer_types is not None and "sliding_attention" in layer_types:
+            raise ModelLoadError(f"{source}: layer_types marks sliding_attention layers but "
+                                 "sliding_window is not set.")
+        return None, None
+    window = int(window)
+    if layer_types is None:
+        if family == "gemma2":  # even layers local, odd layers global
+            layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(n_layers))
+        elif family in ("qwen2", "qwen3"):
+            first = int(get("max_window_layers"))
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention"
+                                for i in range(n_layers))
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None, None
+    if layer_types is not None and set(layer_types) == {"sliding_attention"}:
+        layer_types = None  # every layer alike
+    return window, layer_types
+
+
 def config_from_hf(config: dict[str, Any], *, source: str = "config.json",
                    dtype: str = "float32", name: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from a Llama/Mistral `config.json` dict. `source` names it in errors.
+    """A `ModelConfig` from a `config.json` dict of a supported family. `source` names it in
+    errors; an option ee-jax does not implement fails with its config.json key named.
 
-    Mistral's sliding window only changes attention beyond the window, so a window shorter
-    than `max_position_embeddings` caps `max_position` at the window instead of failing.
-    """
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if not (set(archs) & set(SUPPORTED_ARCHITECTURES)) and not (
-            not archs and model_type in SUPPORTED_MODEL_TYPES):
-        raise UnsupportedModelError(
-            f"{source}: architecture {archs or model_type!r} is not supported; ee-jax loads "
-            f"{' / '.join(SUPPORTED_ARCHITECTURES)} checkpoints.")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise UnsupportedModelError(f"{source}: {flag}=true is not supported (ee-jax "
-                                        "implements bias-free Llama projections).")
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act {config['hidden_act']!r} is not "
-                                    "supported (SwiGLU with silu only).")
+    A sliding window is kept as `ModelConfig.sliding_window` and applied in attention; it
+    never caps the context (`max_position` is max_position_embeddings)."""
+    family = family_of(config, source)
+    fam = FAMILIES[family]
+    get = lambda key, default=None: config.get(key, fam.defaults.get(key, default))  # noqa: E731
+    for key in fam.o_bias_keys:
+        if config.get(key):
+            raise UnsupportedModelError(f"{source}: {key}=true is not supported for "
+                                        f"{family} (ee-jax has no bias on o_proj).")
+    if config.get("mlp_bias"):
+        raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported (ee-jax "
+                                    "implements bias-free MLP projections).")
+    act = get(fam.act_key, "silu")
+    if act not in fam.activations:
+        raise UnsupportedModelError(f"{source}: {fam.act_key} {act!r} is not supported for "
+                                    f"{family}; ee-jax implements {sorted(fam.activations)}.")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention=true is not "
+                                    "supported (ee-jax serves causal decoders).")
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor="
+                                    f"{config['partial_rotary_factor']} is not supported "
+                                    "(ee-jax rotates the full head_dim).")
     try:
         d = int(config["hidden_size"])
         n_heads = int(config["num_attention_heads"])
@@ -104,22 +229,29 @@ def config_from_hf(config: dict[str, Any], *, source: str = "config.json",
     head_dim = config.get("head_dim")
     head_dim = int(head_dim) if head_dim else d // n_heads
     theta, scaling = _rope_from_hf(config, source)
-    max_position = int(config.get("max_position_embeddings", 8192))
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    if window:
-        max_position = min(max_position, int(window))
+    window, layer_types = _windows_from_hf(config, family, n_layers, source)
     eos = config.get("eos_token_id")
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     bos = config.get("bos_token_id")
+    switches = dict(fam.switches)
+    if family == "gemma2":
+        switches.update(
+            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+            attn_logit_softcap=(None if get("attn_logit_softcapping") is None
+                                else float(get("attn_logit_softcapping"))),
+            final_logit_softcap=(None if get("final_logit_softcapping") is None
+                                 else float(get("final_logit_softcapping"))))
     try:
         return ModelConfig(
             vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-            head_dim=head_dim, ffn_dim=ffn, rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim, ffn_dim=ffn, rms_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling,
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position=max_position, dtype=dtype,
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            max_position=int(get("max_position_embeddings", 8192)), dtype=dtype,
             bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
-            name=str(name or config.get("_name_or_path") or model_type or "llama"),
+            name=str(name or config.get("_name_or_path") or family),
+            activation=fam.activations[act], sliding_window=window, layer_types=layer_types,
+            **switches,
         )
     except ConfigError as e:
         raise ModelLoadError(f"{source} does not describe a valid model: {e}") from e
@@ -149,7 +281,7 @@ def _weight_files(folder: Path) -> list[Path]:
                          + hint)
 
 
-def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _expected_hf_shapes(cfg: ModelConfig, tensors: dict[str, str]) -> dict[str, tuple[int, ...]]:
     """Hugging Face shape of every tensor we read, from our (input-major) shapes."""
     shapes = param_shapes(cfg)
     out = {}
@@ -158,14 +290,15 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shape = shapes[key].shape
             out[name] = tuple(reversed(shape)) if key == "lm_head" else shape
     for i in range(cfg.n_layers):
-        for suffix, key in LAYER_TENSORS.items():
+        for suffix, key in tensors.items():
             out[f"model.layers.{i}.{suffix}"] = tuple(reversed(shapes["layers"][key].shape[1:]))
     return out
 
 
 def load_hf(folder: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
-    """Read a Hugging Face Llama/Mistral folder: `config.json` plus `model.safetensors` or a
-    sharded `model.safetensors.index.json`. Returns the config and the checked param tree."""
+    """Read a Hugging Face folder of a supported family (`FAMILIES`): `config.json` plus
+    `model.safetensors` or a sharded `model.safetensors.index.json`. Returns the config and
+    the checked param tree."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -181,12 +314,14 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     except ValueError as e:
         raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
     cfg = config_from_hf(config, source=str(config_path), dtype=dtype, name=folder.name)
-    expected = _expected_hf_shapes(cfg)
+    family = family_of(config)
+    tensors = layer_tensors(family)
+    expected = _expected_hf_shapes(cfg, tensors)
     shapes = param_shapes(cfg)
     L = cfg.n_layers
 
     layers = {key: np.empty((L, *shapes["layers"][key].shape[1:]), np.float32)
-              for key in LAYER_TENSORS.values()}
+              for key in tensors.values()}
     out: dict[str, np.ndarray] = {}
     seen, unexpected, misshaped = set(), [], []
     for file in _weight_files(folder):
@@ -215,14 +350,14 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
                     out[GLOBAL_TENSORS[name]] = w.T if name == "lm_head.weight" else w
                 else:
                     _, _, i, suffix = name.split(".", 3)
-                    layers[LAYER_TENSORS[suffix]][int(i)] = w.T if w.ndim == 2 else w
+                    layers[tensors[suffix]][int(i)] = w.T if w.ndim == 2 else w
 
     if misshaped:
         raise ParamsMismatchError(f"{folder}: weights disagree with {config_path.name}: "
                                   + "; ".join(misshaped[:8]))
     if unexpected:
         raise UnsupportedModelError(
-            f"{folder} has tensors a plain Llama model does not use: {unexpected[:8]}"
+            f"{folder} has tensors a {family} model does not use: {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''} (biases, extra layers, another variant?).")
     missing = [n for n in expected if n not in seen]
     if missing:
