@@ -216,7 +216,8 @@ def test_forced_exit_backfills_cache_with_projection_of_exit_state():
         b.page_table[r, :len(table)] = table
         b.kv_lens[r] = len(prompt) + 1
     tokens, _, extra = unpack_results(np.asarray(runner.step(b)))
-    assert (extra[:, 0] == e).all()
+    assert (extra[list(rows), 0] == e).all()  # real rows left at e
+    assert (extra[[1, 3], 0] == 0).all()  # padding rows ran nothing
     k1, v1 = np.asarray(runner.cache.k), np.asarray(runner.cache.v)
 
     touched = np.zeros(k0.shape[1:3], bool)  # [pages, slots]
@@ -298,8 +299,11 @@ class ClassifierRunner:
             batch.kv_lens[r] = r + 2
             batch.threshold[r] = t
         _, _, extra = unpack_results(np.asarray(self.runner.step(batch)))
-        layers = set(extra[:, 0].tolist())
+        real = [r for r, t in enumerate(row_thresholds) if t is not None]
+        layers = set(extra[real, 0].tolist())  # the batch's exit layer, on every real row
         assert len(layers) == 1, layers
+        pad = [r for r, t in enumerate(row_thresholds) if t is None]
+        assert (extra[pad, 0] == 0).all()  # padding rows run nothing
         return layers.pop()
 
 

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from ee_jax.models import exits, llama
 from ee_jax.models.exits import NEVER, ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.early_exit import per_row_decode
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.params import greedy
+from ee_jax.serving.step import PerRow, model_step
 from ee_jax.testing import tiny_config
 from tests.reference import dense_greedy, run_requests
 
@@ -110,7 +110,10 @@ def step_case():
     @jax.jit
     def step(heads, cache, tokens, meta, thresholds):
         traces.append(1)
-        return per_row_decode(PARAMS, heads, cache, tokens, meta, thresholds, CFG, CLS_EC)
+        result, cache = model_step(PARAMS, heads, cache, tokens, meta,
+                                   jnp.zeros(tokens.shape[:1], jnp.int32), thresholds, CFG,
+                                   PerRow(CLS_EC))
+        return result.logits, result.exit_layer, result.checks, result.work, cache
 
     return dict(k0=k0, v0=v0, refs=refs, step=step, traces=traces)
 

@@ -1,17 +1,27 @@
-"""Attention over the paged cache, and the per-step metadata every layer shares.
+"""Attention over the paged cache: one entry point, the per-step metadata, the reference.
 
-`paged_attention` is the pure-jnp gather reference: it runs on CPU, GPU and TPU. A faster
-kernel (Pallas ragged paged attention) can replace it behind the same signature.
+Every layer of every step calls `attend(q, k, v, cache, layer, meta, cfg, backend)`: it
+writes this step's K/V at their slots (a scatter, in place on the donated cache), then
+attends over each row's pages with the chosen backend. Cache writes, back-fill writes
+(`ee_jax.serving.backfill`, through `write_slots`) and attention all follow the slot rule of
+`AttentionMetadata` in this one module.
+
+Backends share one signature (`Backend`); `paged_attention` below is the pure-jnp gather
+reference (every row's pages copied out and masked): it runs everywhere and is the oracle the
+faster ones (`ee_jax.serving.attention_kernels`: an XLA decode path, the Pallas kernels JAX
+ships for GPU and TPU) are tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ee_jax.models.llama import gqa_attention
+from ee_jax.models import llama
+from ee_jax.models.config import ModelConfig
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, gather_layer, write_layer
 
 
@@ -42,6 +52,11 @@ class AttentionMetadata:
         return pages, self.positions % page_size
 
 
+# backend(q [B, T, H, hd], cache, layer, meta, *, scale, window, softcap) -> [B, T, H, hd],
+# called after this step's K/V are in the cache. window: int32 scalar (0: none) or None.
+Backend = Callable[..., jax.Array]
+
+
 def write_kv(cache: KVCache, layer, meta: AttentionMetadata, k: jax.Array, v: jax.Array
              ) -> KVCache:
     """k, v: [B, T, K, hd] written at this step's slots of `layer`."""
@@ -51,10 +66,35 @@ def write_kv(cache: KVCache, layer, meta: AttentionMetadata, k: jax.Array, v: ja
                        k.reshape(-1, kh, hd), v.reshape(-1, kh, hd))
 
 
-def paged_attention(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata) -> jax.Array:
-    """Causal attention of q [B, T, H, hd] over each row's pages in `layer` -> [B, T, H, hd]."""
+def paged_attention(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
+                    scale: float | None = None, window: jax.Array | None = None,
+                    softcap: float | None = None) -> jax.Array:
+    """The reference: causal attention of q [B, T, H, hd] over each row's pages of `layer`,
+    gathered into one [B, W*S] copy -> [B, T, H, hd]."""
     k, v = gather_layer(cache, layer, meta.page_table)  # [B, W*S, K, hd]
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    mask = ((key_pos[None, None, :] <= meta.positions[:, :, None])
-            & (key_pos[None, None, :] < meta.kv_lens[:, None, None]))  # [B, T, W*S]
-    return gqa_attention(q, k, v, mask)
+    mask = llama.attention_weights_mask(meta.positions, key_pos,
+                                        key_pos[None, :] < meta.kv_lens[:, None], window=window)
+    return llama.gqa_attention(q, k, v, mask, scale=scale, softcap=softcap)
+
+
+def backend_by_name(name: str) -> Backend:
+    """The backend called `name` ("reference", or one of `attention_kernels.BACKENDS`;
+    "auto" picks by platform)."""
+    if name == "reference":
+        return paged_attention
+    from ee_jax.serving import attention_kernels
+
+    return attention_kernels.select_backend(name)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
+           meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
+           ) -> tuple[jax.Array, KVCache]:
+    """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
+    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache)."""
+    cache = write_kv(cache, layer, meta, k, v)
+    out = backend_by_name(backend)(q, cache, layer, meta, scale=cfg.attn_scale,
+                                   window=llama.layer_window(cfg, layer),
+                                   softcap=cfg.attn_logit_softcap)
+    return out, cache

@@ -1,10 +1,9 @@
 """The jitted model step over the paged cache, and the host<->device packing around it.
 
-One function serves prefill (T > 1 tokens per row) and full-depth decode (T == 1): embed,
-the stacked layers under `lax.fori_loop` with the cache in the loop carry (so each layer's
-K/V write is an in-place scatter), the head at each row's last real token, and sampling.
-Programs are keyed by a `StepShape` (batch, tokens, page-table width) drawn from a small
-set of buckets, so steady state never recompiles.
+Every step is `ee_jax.serving.step.model_step` under the policy its kind asks for (prefill:
+full depth; decode: the engine's exit policy), followed by sampling. Programs are keyed by
+a `StepShape` (kind, batch, tokens, page-table width) drawn from a small set of buckets, so
+steady state never recompiles.
 """
 
 from __future__ import annotations
@@ -19,19 +18,27 @@ import numpy as np
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.early_exit import early_exit_decode, per_row_decode
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
-from ee_jax.serving.paged_model import paged_forward
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
+from ee_jax.serving.step import model_step, policy_for
 
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """Static shape of one compiled step: B rows, T tokens per row, W pages per row."""
+    """Static shape of one compiled step: B rows, T tokens per row, W pages per row, and the
+    step's kind: "prefill" (prompt tokens, always full depth) or "decode" (one token per row,
+    under the engine's exit policy). The kind, never T, decides."""
 
     batch: int
     tokens: int
     pages: int
+    kind: str = "decode"
+
+    def __post_init__(self):
+        if self.kind not in ("prefill", "decode"):
+            raise ValueError(f"StepShape.kind must be 'prefill' or 'decode', got {self.kind!r}")
+        if self.kind == "decode" and self.tokens != 1:
+            raise ValueError(f"a decode step has one token per row, got tokens={self.tokens}")
 
     # Layout of the single int32 host buffer (floats are bit-cast into it).
     def _fields(self) -> tuple[tuple[str, int], ...]:
@@ -119,20 +126,22 @@ def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 class ModelRunner:
     """Owns the params, the cache and the compiled steps; the engine hands it StepBatches.
 
-    With an `ExitConfig`, decode steps (one token per row) run the early-exit step; prefill
-    always runs at full depth. Results are [B, 5]: token, logprob (bit-cast), the row's exit
-    layer (policy "per_row": each row's own, 0 for padding rows; otherwise the batch's exit
-    layer on every row), how many exit checks projected onto the vocabulary, and the
-    row-layers the step computed (rows a layer ran on, summed over layers: B x layers run
-    unless "per_row" compacted the rows; B x L for prefill).
+    With an `ExitConfig`, decode steps run under its exit policy; prefill always runs at full
+    depth. Results are [B, 5]: token, logprob (bit-cast), the row's exit layer (the layers
+    it ran: its own under "per_row", the batch's under "all"/"quorum", L at full depth; 0 for
+    padding rows), how many exit checks projected onto the vocabulary, and the row-layers the
+    step computed (rows a layer ran on, summed over layers: B x layers run unless "per_row"
+    compacted the rows; B x L at full depth).
     """
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
-                 exit_config: exits.ExitConfig | None = None, exit_heads=None):
+                 exit_config: exits.ExitConfig | None = None, exit_heads=None,
+                 attention: str = "reference"):
         self.cfg = cfg
         self.params = params
         self.cache = cache
         self.exit_config = exit_config
+        self.attention = attention
         if exit_config is not None:
             exit_config.validate_for(cfg)
             if exit_heads is None:
@@ -146,26 +155,14 @@ class ModelRunner:
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
-        B = shape.batch
-        ec = self.exit_config
-        if shape.tokens == 1 and ec is not None and ec.policy == "per_row":
-            logits, exit_layer, checks, work, cache = per_row_decode(
-                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg, ec)
-        elif shape.tokens == 1 and ec is not None:
-            logits, exit_layer, checks, cache = early_exit_decode(
-                params, heads, cache, inp["tokens"], meta, inp["threshold"], self.cfg, ec)
-            work = B * exit_layer
-        else:
-            x, cache = paged_forward(params, cache, inp["tokens"], meta, self.cfg)
-            h = jnp.take_along_axis(x, inp["last_idx"][:, None, None], axis=1)[:, 0]  # [B, D]
-            logits = llama.final_head(params, h, self.cfg)
-            exit_layer = jnp.asarray(self.cfg.n_layers, jnp.int32)
-            checks = jnp.asarray(0, jnp.int32)
-            work = B * exit_layer
-        tokens = sample(logits, sampling_tensors(inp))
-        logprobs = token_logprobs(logits, tokens)
-        return cache, pack_results(tokens, logprobs, *(jnp.broadcast_to(a, tokens.shape)
-                                                       for a in (exit_layer, checks, work)))
+        policy = policy_for(self.exit_config, shape.kind)
+        result, cache = model_step(params, heads, cache, inp["tokens"], meta, inp["last_idx"],
+                                   inp["threshold"], self.cfg, policy, self.attention)
+        tokens = sample(result.logits, sampling_tensors(inp))
+        logprobs = token_logprobs(result.logits, tokens)
+        return cache, pack_results(tokens, logprobs, result.exit_layer,
+                                   *(jnp.broadcast_to(a, tokens.shape)
+                                     for a in (result.checks, result.work)))
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""

@@ -201,7 +201,8 @@ class Scheduler:
             return None
         shape = StepShape(cfg.batch_bucket(len(rows)),
                           cfg.token_bucket(max(r.num_tokens for r in rows)),
-                          cfg.page_bucket(max(r.start + r.num_tokens for r in rows)))
+                          cfg.page_bucket(max(r.start + r.num_tokens for r in rows)),
+                          kind="prefill")
         return Schedule("prefill", rows, shape, [])
 
     def _schedule_decode(self) -> Schedule | None:
@@ -227,5 +228,6 @@ class Scheduler:
                 schedule.preempted = preempted
             return schedule
         shape = StepShape(self.config.batch_bucket(len(rows)), 1,
-                          self.config.page_bucket(max(r.seq.num_tokens for r in rows)))
+                          self.config.page_bucket(max(r.seq.num_tokens for r in rows)),
+                          kind="decode")
         return Schedule("decode", rows, shape, preempted)

@@ -1,0 +1,66 @@
+"""KV back-fill: the skipped layers' K/V of a token that left early (DESIGN.md section 5).
+
+A token that left at exit layer e has no K/V in layers e..L-1, yet later tokens attend to
+them. Before the step ends, its exit hidden state is projected through each skipped layer's
+`kv_project` (vmapped over the stacked layers: one batched projection, no loop) and written
+at the token's slot (CALM's state propagation). `kv_project` is the very function the layer
+uses, so a back-filled entry is exactly what that layer would write given that input.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ee_jax.models import llama
+from ee_jax.models.config import ModelConfig
+from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+
+
+def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
+                first: int = 0) -> tuple[jax.Array, jax.Array]:
+    """K/V of h [B, T, D] through layers first..L-1 (`kv_project` vmapped over layers):
+    [L - first, B, T, K, hd] each. `first` (static) is the lowest exit that can be taken;
+    below it nothing is ever skipped."""
+    layers = jax.tree.map(lambda a: a[first:], params["layers"])
+    return jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(layers)
+
+
+def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
+                   meta: AttentionMetadata, first: int = 0) -> KVCache:
+    """Write layers >= n_done of the back-filled K/V at this step's slots; the writes of
+    layers < n_done go to the null page, so shapes are static and only the token's slots are
+    touched (a scatter, in place). n_done: a scalar (the batch's exit layer) or [B] (each
+    row's); n_done = L writes nothing real.
+
+    Kept out of any lax.cond/switch on purpose: a cache that is an operand of a branch can be
+    copied whole by XLA (hundreds of MB at batch 8), every step."""
+    L = first + ks.shape[0]
+    pages, offsets = meta.write_slots(cache.page_size)  # [B, T]
+    layer_ids = jnp.arange(first, L, dtype=jnp.int32)
+    n_done = jnp.reshape(jnp.asarray(n_done, jnp.int32), (-1, 1))  # [1 or B, 1]
+    skipped = layer_ids[:, None, None] >= n_done[None]  # [L - first, 1 or B, 1]
+    pages = jnp.where(skipped, pages[None], NULL_PAGE)  # [L - first, B, T]
+    layer_idx = jnp.broadcast_to(layer_ids[:, None, None], pages.shape)
+    offsets = jnp.broadcast_to(offsets[None], pages.shape)
+    return KVCache(cache.k.at[layer_idx, pages, offsets].set(ks.astype(cache.k.dtype)),
+                   cache.v.at[layer_idx, pages, offsets].set(vs.astype(cache.v.dtype)))
+
+
+def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,
+             cfg: ModelConfig, first: int = 0, any_exit=None) -> KVCache:
+    """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D].
+
+    With `any_exit` (a traced bool), the projections are computed only when it holds (a
+    lax.cond over the small K/V arrays, never over the cache) and nothing is written when it
+    does not."""
+    if any_exit is None:
+        ks, vs = backfill_kv(params, h, meta, cfg, first)
+    else:
+        project = lambda: backfill_kv(params, h, meta, cfg, first)  # noqa: E731
+        zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
+                                     jax.eval_shape(project))
+        ks, vs = jax.lax.cond(any_exit, project, zeros)
+        n_done = jnp.where(any_exit, n_done, cfg.n_layers)
+    return write_backfill(cache, ks, vs, n_done, meta, first)

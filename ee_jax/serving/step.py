@@ -1,0 +1,325 @@
+"""One model step for every mode: prefill, full-depth decode and every exit policy.
+
+A step runs the stacked layers over this step's tokens with the paged cache in the loop
+carry, and ends with one typed result. What differs between modes is a small static
+*policy* object (gemma's sampler-strategy habit), never a second loop:
+
+    policy       loop                         check at an exit layer        leaves
+    FullDepth    fori_loop over L layers      none                          —
+    BatchExit    while_loop, one row bucket   confidence per row -> done    all rows at once when
+                                                                            the rule holds (all,
+                                                                            quorum: the paper's)
+    PerRow       while_loops over shrinking   confidence per row            each row at its own
+                 row buckets (stages)                                       first confident exit
+
+The loop with checks, precisely (rows compacted: slot c holds original row perm[c]):
+
+    x = embed(tokens); state = loop state (running rows, done flags, check state, ...)
+    for each row bucket z of the policy (BatchExit: just B):        # static Python loop
+        gather the running rows to the front (not before the first stage)
+        while n < L and the running rows do not fit the next bucket:   # lax.while_loop
+            layer n on the first z rows; n += 1
+            if n is an exit layer: conf = exits.check_confidence(...)     # one dispatch
+                                   rows the policy lets leave record (h, n, logits if computed)
+    finalise: rows still running leave at L; logits per row (the exit head of the row's exit,
+              the final head at L; logits a check already computed are reused);
+              back-fill the skipped layers' K/V at this token's slot (`backfill.backfill`)
+
+Prefill and full depth are the policy with no checks: a `fori_loop` with a static trip
+count, the fastest full-depth program the engine has (a `while_loop` whose checks are
+switched off is not: its bound is dynamic). The schedule's kind (`StepShape.kind`), not a
+shape, picks the policy: prompt tokens always run at full depth.
+
+Cost model of the stages (PerRow): rows move (a gather of [B, D] hidden states and [B, W]
+page tables, small next to a layer) only when the rows still running fit a smaller bucket,
+i.e. count <= current/2 for power-of-two buckets; otherwise the rows that left stay in place
+as padding (kv_lens 0: they write to the null page and attend to nothing). A step gathers at
+most log2(B) + 1 times. One compiled program per step shape serves every exit pattern, and
+nothing goes back to the host inside the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ee_jax.models import exits, llama
+from ee_jax.models.config import ModelConfig
+from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.backfill import backfill
+from ee_jax.serving.kv_cache import KVCache
+from ee_jax.serving.paged_model import paged_layer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What every step returns, whatever the policy."""
+
+    logits: jax.Array  # [B, V] f32 at each row's sampled token
+    exit_layer: jax.Array  # [B] int32: layers each row ran (its exit layer; L at full depth;
+    #                        0 for padding rows)
+    checks: jax.Array  # int32: exit checks that projected onto the vocabulary (their cost)
+    work: jax.Array  # int32: row-layers computed (rows a layer ran on, summed over layers)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@dataclasses.dataclass(frozen=True)
+class FullDepth:
+    """No checks: every row runs every layer (prefill, and decode without exits)."""
+
+    has_checks = False
+
+    def stages(self, batch: int) -> tuple[int, ...]:
+        return (batch,)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchExit:
+    """The batch leaves together once `ec.policy`'s rule holds over the rows that were
+    confident at some check ("all": every active row, the paper's rule; "quorum")."""
+
+    ec: exits.ExitConfig
+    has_checks = True
+    batch_wide = True
+
+    def stages(self, batch: int) -> tuple[int, ...]:
+        return (batch,)
+
+    def can_exit(self, thresholds: jax.Array, active: jax.Array) -> jax.Array:
+        """Whether any exit could be taken at all: if the rule cannot be met even by rows
+        that are always confident (a row with threshold NEVER under "all"), no check runs."""
+        return exits.batch_exits(thresholds <= 1.0, active, self.ec.policy, self.ec.quorum)
+
+    def leave(self, confident, done, running, active):
+        """(rows leaving now, done) in compacted order; confident: [B] bool at this check."""
+        done = done | confident  # a row once confident stays done
+        go = exits.batch_exits(done, active, self.ec.policy, self.ec.quorum)
+        return running & go, done
+
+
+@dataclasses.dataclass(frozen=True)
+class PerRow:
+    """Each row leaves at its own first confident exit, taking that exit's head; the rows
+    still running are compacted into the smallest row bucket that holds them."""
+
+    ec: exits.ExitConfig
+    has_checks = True
+    batch_wide = False
+
+    def stages(self, batch: int) -> tuple[int, ...]:
+        return self.ec.row_buckets(batch)
+
+    def can_exit(self, thresholds: jax.Array, active: jax.Array) -> jax.Array:
+        return jnp.any(active & (thresholds <= 1.0))
+
+    def leave(self, confident, done, running, active):
+        del active
+        return running & confident, done | confident
+
+
+Policy = FullDepth | BatchExit | PerRow
+
+
+def policy_for(ec: exits.ExitConfig | None, kind: str) -> Policy:
+    """The policy a step of `kind` ("prefill" / "decode") runs under `ec`."""
+    if kind == "prefill" or ec is None or not ec.enabled:
+        return FullDepth()
+    return PerRow(ec) if ec.policy == "per_row" else BatchExit(ec)
+
+
+# --------------------------------------------------------------------------- the loop state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """Loop state of a step with checks. Fields marked (c) are in compacted order: slot c
+    holds original row perm[c]; in the stage of bucket z the running rows occupy slots < z."""
+
+    n: jax.Array  # int32: layers run
+    x: jax.Array  # (c) [B, 1, D] hidden states
+    perm: jax.Array  # (c) [B] int32: original row of each slot
+    running: jax.Array  # (c) [B] bool
+    done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
+    check: exits.CheckState  # (c) what a check carries to the next (per row)
+    meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
+    h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
+    exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
+    logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
+    checks: jax.Array  # int32
+    work: jax.Array  # int32
+
+
+def _take_rows(meta: AttentionMetadata, rows, kv_mask) -> AttentionMetadata:
+    """meta of `rows` (an index array or a static prefix slice), kv_lens zeroed where ~kv_mask."""
+    return AttentionMetadata(meta.positions[rows], meta.page_table[rows],
+                             jnp.where(kv_mask, meta.kv_lens[rows], 0))
+
+
+def _rows(tree, rows):
+    return jax.tree.map(lambda a: a[rows], tree)
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@functools.partial(jax.named_call, name="model_step")
+def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
+               meta: AttentionMetadata, last_idx: jax.Array, thresholds: jax.Array,
+               cfg: ModelConfig, policy: Policy, attention: str = "reference"
+               ) -> tuple[StepResult, KVCache]:
+    """The one step. tokens: [B, T]; last_idx: [B] index in T of each row's sampled token;
+    thresholds: [B] f32 (policies with checks: T must be 1)."""
+    if not policy.has_checks:
+        return _full_depth(params, cache, tokens, meta, last_idx, cfg, attention)
+    if tokens.shape[1] != 1:
+        raise ValueError(f"exit policies decode one token per row, got T={tokens.shape[1]}; "
+                         f"prompt chunks run at full depth (StepShape.kind='prefill')")
+    return _with_checks(params, heads, cache, tokens, meta, thresholds, cfg, policy, attention)
+
+
+def _full_depth(params, cache, tokens, meta, last_idx, cfg: ModelConfig, attention: str):
+    L, B = cfg.n_layers, tokens.shape[0]
+
+    def body(i, carry):
+        x, cache = carry
+        return paged_layer(params, i, x, cache, meta, cfg, attention)
+
+    x = llama.embed(params, tokens)
+    x, cache = jax.lax.fori_loop(0, L, body, (x, cache))
+    h = jnp.take_along_axis(x, last_idx[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = llama.final_head(params, h, cfg)
+    active = meta.kv_lens > 0
+    return StepResult(logits=logits, exit_layer=jnp.where(active, L, 0).astype(jnp.int32),
+                      checks=jnp.asarray(0, jnp.int32),
+                      work=jnp.asarray(B * L, jnp.int32)), cache
+
+
+def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfig,
+                 policy: BatchExit | PerRow, attention: str):
+    ec = policy.ec
+    L, B = cfg.n_layers, tokens.shape[0]
+    sizes = policy.stages(B)
+    table = jnp.asarray(ec.exit_index_table(L))
+    active = meta.kv_lens > 0  # padding rows have no keys: they never run
+    force = ec.force_exit_layer
+    keep_logits = ec.needs_vocab and force is None  # checks compute the exit's logits
+    can_exit = jnp.asarray(True) if force is not None else policy.can_exit(thresholds, active)
+
+    def compact(s: _Loop) -> _Loop:
+        """Gather the running rows to the front (order kept); the rest follow as padding."""
+        order = jnp.argsort(~s.running, stable=True)
+        perm, running = s.perm[order], s.running[order]
+        return dataclasses.replace(
+            s, x=s.x[order], perm=perm, running=running, done=s.done[order],
+            check=_rows(s.check, order), meta=_take_rows(meta, perm, running))
+
+    def check(z: int, s: _Loop) -> _Loop:
+        """Exit check over the first z rows (z: the stage's bucket; the rest are padding)."""
+        n, h = s.n, s.x[:, 0]
+        checks, logits_buf = s.checks, s.logits
+        if force is not None:
+            confident = jnp.broadcast_to(n == force, (B,))
+            state = s.check
+        else:
+            conf, logits, part = exits.check_confidence(
+                params, heads, table[n], h[:z], _rows(s.check, slice(0, z)), cfg, ec)
+            state = part if z == B else jax.tree.map(lambda a, p: a.at[:z].set(p),
+                                                     s.check, part)
+            conf = conf if z == B else jnp.zeros((B,), conf.dtype).at[:z].set(conf)
+            confident = (conf >= thresholds[s.perm]) & (n >= ec.min_exit_layer)
+            checks = checks + int(ec.needs_vocab)
+        leave, done = policy.leave(confident & s.running, s.done, s.running, active[s.perm])
+        rows = jnp.where(leave, s.perm, B)  # B is out of range: dropped
+        if keep_logits:
+            logits_buf = logits_buf.at[rows[:z]].set(logits, mode="drop")
+        running = s.running & ~leave
+        return dataclasses.replace(
+            s, check=state, checks=checks, running=running, done=done, logits=logits_buf,
+            meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
+            h_exit=s.h_exit.at[rows].set(h, mode="drop"),
+            exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
+
+    def stage(k: int, s: _Loop, cache: KVCache) -> tuple[_Loop, KVCache]:
+        """Layers on the first z = sizes[k] rows, for as long as the running rows do not fit
+        the next bucket. Static shapes: no branch over the bucket."""
+        z = sizes[k]
+        fits_next = sizes[k + 1] if k + 1 < len(sizes) else 0
+
+        def cond(c):
+            return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
+
+        def body(c):
+            s, cache = c
+            mz = s.meta if z == B else _take_rows(s.meta, slice(0, z), True)
+            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+            s = dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
+                                    work=s.work + z)
+            n = s.n
+            is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
+            if ec.measure != "saturation" or force is not None:
+                # Below min_exit_layer nothing needs computing (saturation still records
+                # the hidden state there, for the next check's comparison).
+                is_check = is_check & (n >= ec.min_exit_layer)
+            s = jax.lax.cond(is_check, functools.partial(check, z), lambda s: s, s)
+            return s, cache
+
+        return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
+
+    x = llama.embed(params, tokens)  # [B, 1, D]
+    s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
+              running=active, done=jnp.zeros((B,), bool),
+              check=exits.init_check_state(x[:, 0], ec),
+              meta=_take_rows(meta, slice(None), active),
+              h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
+              logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
+              checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
+    if len(sizes) > 1:
+        s = compact(s)  # padding rows leave first
+    for k in range(len(sizes)):
+        s, cache = stage(k, s, cache)
+
+    # Rows that ran to the end leave at L with their final hidden state.
+    h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, 0], mode="drop")
+    exit_layer = jnp.where(active, s.exit_layer, 0)
+    left = active & (exit_layer < L)
+    logits = _exit_logits(params, heads, h_exit, exit_layer, active, s, table, cfg, policy,
+                          keep_logits)
+    n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
+    cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, ec.first_exit or 0,
+                     any_exit=jnp.any(left))
+    return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
+                      work=s.work), cache
+
+
+def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
+                 cfg: ModelConfig, policy: BatchExit | PerRow, keep_logits: bool) -> jax.Array:
+    """Logits [B, V] of each row at the exit it took; the head runs once per row, and not
+    at all where a check already computed the row's logits."""
+    L = cfg.n_layers
+    left = active & (exit_layer < L)
+    if policy.batch_wide:  # every active row left at the same layer: one shared head
+        n = jnp.max(exit_layer)
+        exited = jnp.any(left)
+
+        def at_exit():
+            return s.logits if keep_logits else exits.exit_logits(params, heads, table[n],
+                                                                  h_exit, cfg)
+
+        return jax.lax.cond(exited, at_exit, lambda: llama.final_head(params, h_exit, cfg))
+    slots = jnp.where(left, table[jnp.minimum(exit_layer, L)], -1)
+    if not keep_logits:
+        return exits.row_exit_logits(params, heads, slots, h_exit, cfg)
+    # Rows that left have their logits from the check; the head runs only if a row did not.
+    need_head = jnp.any(active & ~left)
+    return jax.lax.cond(
+        need_head,
+        lambda: jnp.where(left[:, None], s.logits, exits.row_exit_logits(
+            params, heads, slots, h_exit, cfg)),
+        lambda: s.logits)
