@@ -1,4 +1,5 @@
-"""Per-row exits at batch > 1: policies never / all / quorum / per_row, on HumanEval prompts.
+"""Per-row exits at batch > 1: full depth and policies never / all / quorum / per_row, on
+HumanEval prompts.
 
     python -m bench.per_row --out docs/benchmarks.md
     python -m bench.per_row --tiny --batches 1 4 --prompts 4 --new-tokens 6   # smoke test
@@ -6,8 +7,8 @@
 Method (DESIGN.md section 7), everything in one process, per batch size B (the engine's
 max_num_seqs; continuous batching over --prompts prompts):
 
-1. Reference: policy "never" (full depth) generates --new-tokens greedy tokens per prompt
-   (EOS ignored).
+1. Reference: the engine built with `early_exit=False` (full depth, the baseline every ratio
+   is against) generates --new-tokens greedy tokens per prompt (EOS ignored).
 2. Teacher forcing: every policy decodes the same prompts with the reference tokens forced
    (`SamplingParams.forced_tokens`), so all of them process exactly the same sequences and
    their speeds compare like for like. Agreement = mean over decode tokens of (the token the
@@ -16,14 +17,15 @@ max_num_seqs; continuous batching over --prompts prompts):
 3. Warm-up: each engine first runs the whole workload once (every program it needs is
    compiled then; compile time is reported apart). Then --repeats rounds, the policies
    interleaved in each round; the median decode tokens/s is reported, with its ratio to
-   "never" in the same run.
+   full depth in the same run.
 4. Per policy: mean executed layers per decoded row and the ideal ratio L / mean, the
    row-layers actually computed as a share of full depth (per_row: rows in the bucket the
    layers ran on, padding rows included), and the histogram of rows' exit layers.
 5. Forced pattern (the compaction ceiling): a single exit at layer L/3 with the "classifier"
    measure and w = 0, b = 0 (confidence 0.5 for every row); half the requests have threshold
-   0 (leave at L/3), half NEVER (run to L). per_row vs never against the ideal
-   L / mean layers; "all" beside it (at batch > 1 it almost never leaves early).
+   0 (leave at L/3), half NEVER (run to L). per_row vs full depth against the ideal
+   L / mean layers; "never" and "all" beside it (at batch > 1 "all" almost never leaves
+   early).
 
 Exit heads: --exit-heads PATH, else the heads shipped for --model (registry), else (with a
 warning) untrained heads (per-exit norm = final norm) at exits 6, 9, ..., 27.
@@ -44,7 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.serving import cpu_model, log, select_prompts, write_marked
+from bench.common import cpu_model, humaneval_prompts, ideal_speedup, log, serve, write_marked
 
 MARK = ("<!-- bench.per_row:begin -->", "<!-- bench.per_row:end -->")
 POLICIES = ("never", "all", "quorum", "per_row")
@@ -74,8 +76,8 @@ def load(args):
         params = jax.jit(lambda k: llama.init_params(cfg, k))(jax.random.PRNGKey(0))
         model = dataclasses.replace(model, params=params)
         weights = f"random, {args.model} shapes (f32)"
-    prompts = [ids for _, ids in select_prompts(model.tokenizer, args.min_prompt,
-                                                args.max_prompt)][:args.prompts]
+    prompts = [ids for _, ids in humaneval_prompts(model.tokenizer, args.min_prompt,
+                                                   args.max_prompt)][:args.prompts]
     return model, prompts, weights
 
 
@@ -105,23 +107,20 @@ def exit_setup(args, model):
 
 
 def make_llm(model, ec, heads, batch, max_len):
+    """ec None: the full-depth baseline (`early_exit=False`)."""
     from ee_jax.serving.llm import LLM
 
-    return LLM(model, exit_config=ec, exit_heads=heads, progress=False, max_num_seqs=batch,
-               max_model_len=max_len, page_size=16, max_num_batched_tokens=8192,
-               max_prefill_chunk=512)
+    return LLM(model, exit_config=ec, exit_heads=heads, early_exit=ec is not None,
+               progress=False, max_num_seqs=batch, max_model_len=max_len, page_size=16,
+               max_num_batched_tokens=8192, max_prefill_chunk=512)
 
 
 def run(llm, prompts, params):
     """One pass over the prompts; returns (outputs, stats of that pass). The engine's compile
-    time so far is kept in `llm.compile_time` (stats are reset per pass)."""
-    from ee_jax.serving.engine import EngineStats
-
-    llm.compile_time = getattr(llm, "compile_time", 0.0) + llm.engine.stats.compile_time
-    llm.engine.stats = EngineStats()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.compile_time += llm.engine.stats.compile_time
-    return outs, llm.engine.stats
+    time so far is kept in `llm.compile_time`."""
+    served = serve(llm, prompts, params)
+    llm.compile_time = getattr(llm, "compile_time", 0.0) + served.compile_time
+    return served.outputs, served.stats
 
 
 def forced_params(refs, thresholds=None):
@@ -154,6 +153,7 @@ def measure(variants: dict, prompts, params_of, refs, repeats: int, L: int) -> d
             r["tps"].append(s.decode_tokens_per_s)
             if rep == 0:  # the exit pattern is the same every round (greedy, forced)
                 r.update(mean=s.mean_layers_per_row or L, ideal=s.ideal_row_speedup(L),
+                         ideal_head=ideal_speedup(s, llm.model.config, llm.engine.exit_config),
                          work=s.work_fraction, hist=s.row_exit_histogram(),
                          steps=s.exit_histogram(), agree=agreement(outs, refs))
             log(f"    round {rep + 1} {name}: {s.decode_tokens_per_s:.1f} tok/s, "
@@ -170,12 +170,11 @@ def bench_batch(model, prompts, ec, heads, B, args, max_len):
     from ee_jax.serving.params import greedy
 
     L = model.config.n_layers
-    log(f"batch {B}: reference (full depth) for {len(prompts)} prompts")
-    never = make_llm(model, dataclasses.replace(ec, policy="never"), heads, B, max_len)
-    refs = [o.token_ids for o in never.generate(
-        prompts, greedy(args.new_tokens, ignore_eos=True), use_tqdm=False)]
-    variants = {"never": never}
-    for pol in POLICIES[1:]:
+    log(f"batch {B}: reference (full depth, early_exit=False) for {len(prompts)} prompts")
+    full = make_llm(model, None, None, B, max_len)
+    refs = [o.token_ids for o in run(full, prompts, greedy(args.new_tokens, ignore_eos=True))[0]]
+    variants = {"full depth": full}
+    for pol in POLICIES:
         variants[pol] = make_llm(model, dataclasses.replace(ec, policy=pol), heads, B, max_len)
     log(f"batch {B}: policies {', '.join(variants)} at threshold {ec.threshold}")
     main = measure(variants, prompts, lambda _: forced_params(refs), refs, args.repeats, L)
@@ -186,8 +185,9 @@ def bench_batch(model, prompts, ec, heads, B, args, max_len):
     fec = exits.ExitConfig(exit_layers=(e,), measure="classifier", threshold=0.0)
     fheads = exits.init_heads(model.config, fec, model.params)
     thr = [0.0 if i % 2 == 0 else exits.NEVER for i in range(len(prompts))]
-    variants = {pol: make_llm(model, dataclasses.replace(fec, policy=pol), fheads, B, max_len)
-                for pol in ("never", "all", "per_row")}
+    variants = {"full depth": full}
+    variants.update({pol: make_llm(model, dataclasses.replace(fec, policy=pol), fheads, B,
+                                   max_len) for pol in ("never", "all", "per_row")})
     log(f"batch {B}: forced pattern (half the rows leave at {e}, half run to {L})")
     forced = measure(variants, prompts, lambda _: forced_params(refs, thr), refs,
                      args.repeats, L)
@@ -209,20 +209,21 @@ def render(ctx) -> str:
            f"(every policy decodes the same sequences); median of {ctx['repeats']} "
            f"interleaved rounds after a warm-up pass. Method: the docstring of "
            f"`bench/per_row.py`.", "",
-           "| batch | policy | decode tok/s | vs never | mean layers / row | ideal L/mean | "
-           "row-layers computed / full | TF agreement | rows per exit layer | compile s |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+           "| batch | policy | decode tok/s | vs full depth | mean layers / row | ideal L/mean | "
+           "ideal, head counted | row-layers computed / full | TF agreement | "
+           "rows per exit layer | compile s |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for B, r in ctx["batches"]:
         for name, v in r["main"].items():
             out.append(f"| {B} | {name} | {v['tps']:.1f} | {v['ratio']:.2f}x | {v['mean']:.1f} "
-                       f"| {v['ideal']:.2f}x | {v['work']:.2f} | {v['agree']:.3f} | "
-                       f"{v['hist']} | {v['compile']:.1f} |")
+                       f"| {v['ideal']:.2f}x | {v['ideal_head']:.2f}x | {v['work']:.2f} | "
+                       f"{v['agree']:.3f} | {v['hist']} | {v['compile']:.1f} |")
     e = ctx["batches"][0][1]["forced_exit"] if ctx["batches"] else L // 3
     out += ["", f"### Forced pattern: half the rows leave at layer {e}, half run to {L}", "",
             f"Exit at {e} only, classifier confidence 0.5 for every row, per-request threshold "
             f"0 or NEVER alternating. The ideal is L / mean layers per row; per_row's ratio "
             f"to it is how much of the saved work compaction turns into speed.", "",
-            "| batch | policy | decode tok/s | vs never | mean layers / row | ideal | "
+            "| batch | policy | decode tok/s | vs full depth | mean layers / row | ideal | "
             "share of ideal | row-layers computed / full |",
             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for B, r in ctx["batches"]:
@@ -230,7 +231,9 @@ def render(ctx) -> str:
             out.append(f"| {B} | {name} | {v['tps']:.1f} | {v['ratio']:.2f}x | "
                        f"{v['mean']:.1f} | {v['ideal']:.2f}x | "
                        f"{v['ratio'] / v['ideal']:.2f} | {v['work']:.2f} |")
-    out += ["", "TF agreement: share of decode tokens where the policy's own prediction equals "
+    out += ["", "Ideal, head counted: (L + head) / (mean layers + exit head + checks) in "
+            "layer-equivalents (`bench.common.ideal_speedup`). "
+            "TF agreement: share of decode tokens where the policy's own prediction equals "
             "the full-depth token (teacher forced). Row-layers computed / full: the rows the "
             "layers actually ran on (per_row: the compacted bucket, padding rows included), "
             "over batch bucket x L."]

