@@ -1,0 +1,298 @@
+"""Attention backends over the paged cache, all with one signature:
+
+    backend(q [B, T, H, hd], cache, layer, meta, *, scale, window=None, softcap=None)
+        -> [B, T, H, hd]
+
+called after this step's K/V are in the cache: a query at position p of row b sees the keys
+at positions k < kv_lens[b] with k <= p and, when `window` > 0, p - k < window; scores are
+q.k * scale, soft-capped as tanh(s / softcap) * softcap when `softcap` is set. A query that
+sees no key (padding rows, kv_lens == 0) gives zeros. `layer` may be a traced int32 scalar.
+
+- `reference`: `ee_jax.serving.attention.paged_attention`, the gather oracle (every row's W
+  pages copied into one [B, W*S] array, then masked).
+- `xla`: flash-decoding in plain XLA. A `lax.fori_loop` over chunks of page columns, up to
+  the longest row's real length (not the page-table bucket), gathering one chunk of pages at
+  a time and folding it into an online softmax with f32 accumulators. Any T.
+- `pallas_gpu`, `pallas_tpu`: the paged decode-attention Pallas kernels JAX ships. Decode
+  only (T == 1, no sliding window); anything else falls back to `xla`.
+
+`select_backend(name, platform)` picks one; "auto" picks by platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ee_jax.serving.attention import AttentionMetadata, paged_attention
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+
+Backend = Callable[..., jax.Array]
+
+# Masked scores: finite, so that exp(m_old - m_new) of a row that has seen no key yet is
+# exp(0) or 0, never NaN (inf - inf).
+_NEG = -1e30
+# xla: keys per chunk of the online softmax, at least _CHUNK_KEYS and at least
+# _CHUNK_ELEMENTS / B (small batches pay more per loop iteration than per key). Measured on
+# CPU (bench/attention.py, SmolLM2 shapes, page size 16).
+_CHUNK_KEYS = 128
+_CHUNK_ELEMENTS = 2048
+
+reference: Backend = paged_attention
+
+
+def _check(q: jax.Array, cache: KVCache, meta: AttentionMetadata) -> tuple[int, ...]:
+    """Shapes (B, T, H, K, hd, S, W); a clear error for shapes that cannot go together."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, head_dim], got shape {q.shape}")
+    B, T, H, hd = q.shape
+    K, hd_c = cache.k.shape[3:]
+    if hd != hd_c or H % K:
+        raise ValueError(f"q {q.shape} does not fit the cache {cache.k.shape}: need the same "
+                         "head_dim and n_heads a multiple of the cache's kv heads")
+    if meta.positions.shape != (B, T) or meta.page_table.shape[0] != B \
+            or meta.kv_lens.shape != (B,):
+        raise ValueError(f"metadata does not fit q {q.shape}: positions "
+                         f"{meta.positions.shape}, page_table {meta.page_table.shape}, "
+                         f"kv_lens {meta.kv_lens.shape}")
+    return B, T, H, K, hd, cache.page_size, meta.page_table.shape[1]
+
+
+def _static_zero(window) -> bool:
+    """True when `window` is known at trace time to mean "no sliding window"."""
+    if window is None:
+        return True
+    if isinstance(window, jax.core.Tracer):
+        return False
+    return int(window) <= 0
+
+
+# --------------------------------------------------------------------------- xla
+
+# Up to this many query rows per kv head (T * H/K), `xla` forms q.k and p.v as broadcast
+# products reduced over one axis rather than as batched matmuls: with 3 rows per (row, kv
+# head) the matmuls are tiny and XLA's CPU backend pays per matmul; the products fuse with
+# the page gather's layout and ran about 2x faster at batch 32 (bench/attention.py).
+_PRODUCT_MAX_ROWS = 8
+
+
+def _scores(qh: jax.Array, kc: jax.Array) -> jax.Array:
+    """q.k in f32: qh [B, K, R, hd], kc [B, N, K, hd] -> [B, K, R, N]."""
+    if qh.shape[2] <= _PRODUCT_MAX_ROWS:
+        prod = qh.astype(jnp.float32)[:, None] * kc.astype(jnp.float32)[:, :, :, None, :]
+        return jnp.moveaxis(jnp.sum(prod, axis=-1), 1, 3)  # [B, N, K, R] -> [B, K, R, N]
+    return jnp.einsum("bkrd,bnkd->bkrn", qh, kc, preferred_element_type=jnp.float32)
+
+
+def _weighted_values(p: jax.Array, vc: jax.Array) -> jax.Array:
+    """p.v in f32: p [B, K, R, N] (f32), vc [B, N, K, hd] -> [B, K, R, hd]."""
+    if p.shape[2] <= _PRODUCT_MAX_ROWS:
+        prod = jnp.moveaxis(p, 3, 1)[..., None] * vc.astype(jnp.float32)[:, :, :, None, :]
+        return jnp.sum(prod, axis=1)  # [B, N, K, R, hd] -> [B, K, R, hd]
+    return jnp.einsum("bkrn,bnkd->bkrd", p.astype(vc.dtype), vc,
+                      preferred_element_type=jnp.float32)
+
+
+def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
+        scale: float | None = None, window: jax.Array | None = None,
+        softcap: float | None = None, chunk_keys: int | None = None) -> jax.Array:
+    """Flash-decoding in plain XLA: no [B, W*S] copy, and no work past the longest row.
+
+    Each of ceil(max(kv_lens) / (C*S)) iterations gathers C page columns of every row
+    ([B, C*S, K, hd], small enough to stay in cache) and folds them into running max / sum /
+    output accumulators in f32. With a sliding window the loop also starts at the first chunk
+    any query can see. `chunk_keys` (static; default max(128, 2048 // B)) sets
+    C = max(1, chunk_keys // page_size); a table of one chunk runs without a loop.
+    """
+    B, T, H, K, hd, S, W = _check(q, cache, meta)
+    G = H // K
+    R = T * G  # query rows per kv head, (t, g) t-major as in llama.gqa_attention
+    scale = hd ** -0.5 if scale is None else float(scale)
+    if chunk_keys is None:
+        chunk_keys = max(_CHUNK_KEYS, _CHUNK_ELEMENTS // B)
+    C = max(1, min(W, chunk_keys // S))
+    n_static = -(-W // C)
+    table = meta.page_table
+    if n_static * C != W:
+        table = jnp.pad(table, ((0, 0), (0, n_static * C - W)), constant_values=NULL_PAGE)
+
+    # Pages as rows of one [L*P, S*K*hd] matrix (a free reshape): a row gather, which XLA's
+    # CPU backend runs about 3x faster than the 5-d gather `cache.k[layer, pages]`.
+    L, P = cache.k.shape[:2]
+    k_rows = cache.k.reshape(L * P, S * K * hd)
+    v_rows = cache.v.reshape(L * P, S * K * hd)
+    qh = jnp.moveaxis(q.reshape(B, T, K, G, hd), 2, 1).reshape(B, K, R, hd)  # [B, K, R, hd]
+    q_pos = jnp.repeat(meta.positions, G, axis=1)  # [B, R]
+    kv_lens = meta.kv_lens
+    hi = jnp.minimum(-(-jnp.max(kv_lens) // (C * S)), n_static)
+    if _static_zero(window):
+        window = None
+        lo = jnp.int32(0)
+    else:
+        window = jnp.asarray(window, jnp.int32)
+        first = jnp.maximum(jnp.min(meta.positions) - window + 1, 0)
+        lo = jnp.where(window > 0, first // (C * S), 0).astype(jnp.int32)
+
+    def body(c, carry):
+        m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, hd], f32
+        rows = jax.lax.dynamic_slice_in_dim(table, c * C, C, axis=1) + layer * P  # [B, C]
+        kc = jnp.take(k_rows, rows, axis=0, mode="clip").reshape(B, C * S, K, hd)
+        vc = jnp.take(v_rows, rows, axis=0, mode="clip").reshape(B, C * S, K, hd)
+        s = _scores(qh, kc) * scale  # [B, K, R, C*S]
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        k_pos = c * C * S + jnp.arange(C * S, dtype=jnp.int32)  # [C*S]
+        diff = q_pos[:, :, None] - k_pos  # [B, R, C*S]
+        seen = (diff >= 0) & (k_pos < kv_lens[:, None, None])
+        if window is not None:
+            seen = seen & ((window <= 0) | (diff < window))
+        seen = seen[:, None]  # [B, 1, R, C*S]
+        s = jnp.where(seen, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = _weighted_values(p, vc)  # [B, K, R, hd]
+        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    init = (jnp.full((B, K, R), _NEG, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
+            jnp.zeros((B, K, R, hd), jnp.float32))
+    if n_static == 1:  # one chunk: straight-line code (masking covers rows of any length)
+        _, l, acc = body(0, init)
+    else:
+        _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = jnp.moveaxis(out.reshape(B, K, T, G, hd), 1, 2)  # [B, T, K, G, hd]
+    return out.reshape(B, T, H, hd).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- Pallas
+
+
+def _layer_pages(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
+    """One layer in the kernels' layout, k, v: [K, P, S, hd].
+
+    Our cache is [L, P, S, K, hd]; the kernels want the kv head in front. The slice and the
+    transpose are one copy of the layer's whole page pool (k and v), whatever the batch reads:
+    O(P * S * K * hd) per layer per step. A [L, K, P, S, hd] cache would make it a contiguous
+    slice, but XLA still copies a dynamic slice into a custom call's operand; only a kernel
+    that takes the stacked cache and the layer index (a scalar-prefetch argument) avoids it.
+    """
+    k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)  # [P, S, K, hd]
+    v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
+
+
+def _decode_lengths(meta: AttentionMetadata) -> jax.Array:
+    """Keys the one query of each row sees: kv_lens, or fewer if its position is earlier."""
+    return jnp.clip(jnp.minimum(meta.kv_lens, meta.positions[:, 0] + 1), 0).astype(jnp.int32)
+
+
+def _pad_columns(table: jax.Array, multiple: int) -> jax.Array:
+    W = table.shape[1]
+    extra = -W % multiple
+    if extra:
+        table = jnp.pad(table, ((0, 0), (0, extra)), constant_values=NULL_PAGE)
+    return table
+
+
+def _kernel_applies(q: jax.Array, window, softcap) -> bool:
+    """The shipped kernels do one query per row, no sliding window, a static softcap."""
+    return q.shape[1] == 1 and _static_zero(window) and (
+        softcap is None or not isinstance(softcap, jax.core.Tracer))
+
+
+def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
+               scale: float | None = None, window: jax.Array | None = None,
+               softcap: float | None = None, interpret: bool = False) -> jax.Array:
+    """JAX's Pallas (Triton) paged decode attention for GPU; `xla` where it does not apply.
+
+    The kernel has no scale argument (q is scaled first; its softcap acts on scaled scores,
+    as ours does), takes q in the cache's dtype, and splits each row's pages into `k_splits`
+    partitions merged afterwards; block_h must be a multiple of 16 (3 query heads per kv head
+    in SmolLM2 are padded to 16). `interpret=True` runs it on CPU (tests).
+    """
+    *_, hd, _S, W = _check(q, cache, meta)
+    if not _kernel_applies(q, window, softcap):
+        return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+
+    scale = hd ** -0.5 if scale is None else float(scale)
+    k_splits = min(16, W)
+    per_split = -(-W // k_splits)
+    pages_per_block = min(8, per_split)
+    per_split = -(-per_split // pages_per_block) * pages_per_block
+    table = _pad_columns(meta.page_table, k_splits * per_split)
+    k_pages, v_pages = _layer_pages(cache, layer)
+    lengths = _decode_lengths(meta)
+    qs = (q[:, 0].astype(jnp.float32) * scale).astype(cache.k.dtype)  # [B, H, hd]
+    out = gpu_kernel.paged_attention(
+        qs, k_pages, v_pages, table, lengths, block_h=16,
+        pages_per_compute_block=pages_per_block, k_splits=k_splits, interpret=interpret,
+        attn_logits_soft_cap=None if softcap is None else float(softcap))
+    out = jnp.where((lengths > 0)[:, None, None], out, 0)
+    return out[:, None].astype(q.dtype)
+
+
+def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
+               scale: float | None = None, window: jax.Array | None = None,
+               softcap: float | None = None, interpret: bool = False) -> jax.Array:
+    """JAX's Pallas (Mosaic) paged decode attention for TPU; `xla` where it does not apply.
+
+    The kernel has no scale argument (q is scaled first) and computes q.k and p.v with K and
+    V rounded to bf16 whatever the cache dtype (its page loader's dequantize step casts to
+    bf16), so on an f32 cache it agrees with the reference to bf16 precision, not f32.
+    `interpret=True` runs it on CPU under Pallas' TPU interpreter (tests).
+    """
+    *_, hd, S, W = _check(q, cache, meta)
+    if not _kernel_applies(q, window, softcap):
+        return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
+
+    scale = hd ** -0.5 if scale is None else float(scale)
+    pages_per_block = max(1, min(W, 128 // S))  # 128 keys per block, at most the table
+    table = _pad_columns(meta.page_table, pages_per_block)
+    k_pages, v_pages = _layer_pages(cache, layer)
+    lengths = _decode_lengths(meta)
+    qs = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # [B, H, hd]
+    ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with ctx:
+        out = tpu_kernel(qs, k_pages, v_pages, lengths, table,
+                         pages_per_compute_block=pages_per_block,
+                         attn_logits_soft_cap=None if softcap is None else float(softcap))
+    out = jnp.where((lengths > 0)[:, None, None], out, 0)
+    return out[:, None].astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- selection
+
+BACKENDS: dict[str, Backend] = {
+    "reference": reference, "xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu,
+}
+_AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu",
+         "tpu": "pallas_tpu"}
+
+
+def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
+    """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
+    elsewhere. `platform` defaults to JAX's default backend."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of "
+                         f"{['auto', *BACKENDS]}")
+    platform = (platform or jax.default_backend()).lower()
+    if name == "auto":
+        name = _AUTO.get(platform, "xla")
+    kernel_platform = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
+    if name in kernel_platform and platform not in kernel_platform[name]:
+        raise ValueError(
+            f"attention backend {name!r} needs a {kernel_platform[name][0].upper()}, but the "
+            f"platform is {platform!r}: use 'xla' (or 'auto') here; tests can run the kernel "
+            f"interpreted with functools.partial(attention_kernels.{name}, interpret=True)")
+    return BACKENDS[name]
+
+
+__all__ = ["BACKENDS", "Backend", "pallas_gpu", "pallas_tpu", "reference", "select_backend",
+           "xla"]
