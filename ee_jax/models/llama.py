@@ -250,8 +250,8 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                   scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention with a boolean mask.
 
-    q: [..., T, H, hd]; k, v: [..., S, K, hd]; mask: [..., T, S] -> [..., T, H, hd].
-    Scores are q.k * scale (default 1/sqrt(hd); pass `cfg.attn_scale`), soft-capped as
+    q: [..., T, H, hd]; k, v: [..., S, K, hd]; mask: [..., T, S] -> [..., T, H, hd] in q's
+    dtype. Scores are q.k * scale (default 1/sqrt(hd); pass `cfg.attn_scale`), soft-capped as
     tanh(s / softcap) * softcap when `softcap` is set (Gemma 2), then masked.
     Heads are moved in front so both products are plain batched matmuls (the query heads
     sharing a kv head are folded into the row axis); XLA's CPU backend runs that layout
@@ -275,7 +275,9 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
     probs = jnp.where(jnp.any(m, axis=-1, keepdims=True), probs, 0.0)
     out = jnp.matmul(probs.astype(v.dtype), vh)  # [..., K, T*G, hd]
     out = jnp.moveaxis(out.reshape(*lead, K, T, G, hd), -4, -3)
-    return out.reshape(*lead, T, H, hd)
+    # In q's dtype: K/V may be held wider than the model (a 16-bit cache on CPU is stored
+    # in f32, see ee_jax.serving.kv_cache); the residual stream keeps the model dtype.
+    return out.reshape(*lead, T, H, hd).astype(q.dtype)
 
 
 def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -5,6 +5,17 @@
 A token at position `pos` of a sequence lives at page `page_table[pos // page_size]`, offset
 `pos % page_size`. Page 0 is reserved: padding rows and padding tokens point their writes at
 it and no live sequence ever reads it, so they cannot corrupt a live page.
+
+16-bit caches on CPU. XLA's CPU backend has no 16-bit float scatter, gather or
+dynamic-update-slice: it converts the *whole* operand to f32 and back around each one (seen
+in the compiled HLO), so a bf16 cache was copied per layer and per step and the step time
+grew with the page pool (5.8 s per step at 2,912 pages, against 45-70 ms in f32). A view
+through `bitcast_convert_type` does not help (XLA materialises it). So on CPU a bf16/f16
+cache is *stored* in f32 (`storage_dtype`): the values written are the model's bf16 K/V,
+exact in f32, and attention casts its output back to the model dtype, so tokens are those of a
+bf16 cache while every write touches only its slots. It costs twice the bytes per page,
+which `bytes_per_page` reports (the engine sizes the pool from it). GPU and TPU keep the
+16-bit dtype, where these ops are native.
 """
 
 from __future__ import annotations
@@ -42,14 +53,33 @@ def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, 
     return (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def _platform(sharding=None) -> str:
+    if sharding is not None:
+        return next(iter(sharding.device_set)).platform
+    return jax.devices()[0].platform
+
+
+def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+    """The dtype a cache of `dtype` is held in on `platform` (default: the default device's):
+    f32 for 16-bit floats on CPU (module docstring), `dtype` itself elsewhere."""
+    dtype = jnp.dtype(dtype)
+    platform = platform or _platform()
+    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype, platform: str | None = None) -> int:
+    """Bytes of one page over all layers, K and V, as stored (`storage_dtype`)."""
+    itemsize = storage_dtype(dtype, platform).itemsize
+    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
                    sharding=None) -> KVCache:
-    """Allocate once, zero-filled, directly on the device (no host copy)."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
+    """Allocate once, zero-filled, directly on the device (no host copy), in the storage
+    dtype of `dtype` (default: the model's) on that device (`storage_dtype`)."""
+    dtype = storage_dtype(dtype or cfg.dtype, _platform(sharding))
     shape = cache_shape(cfg, num_pages, page_size)
 
     @jax.jit
@@ -61,6 +91,17 @@ def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
     return zeros()
 
 
+def write_slots(cache: KVCache, layers, pages: jax.Array, offsets: jax.Array,
+                k: jax.Array, v: jax.Array) -> KVCache:
+    """Write K/V at the slots (layers, pages, offsets): index arrays (or a scalar layer) that
+    broadcast to one shape [...]; k, v: [..., K, hd]. Only those slots are touched (a
+    scatter, in place on a donated buffer; see the module docstring for 16-bit caches on
+    CPU). Every cache write (a layer's tokens, the early-exit back-fill) can go through here."""
+    index = (layers, pages, offsets)
+    return KVCache(cache.k.at[index].set(k.astype(cache.k.dtype)),
+                   cache.v.at[index].set(v.astype(cache.v.dtype)))
+
+
 def write_layer(cache: KVCache, layer, pages: jax.Array, offsets: jax.Array,
                 k: jax.Array, v: jax.Array) -> KVCache:
     """Write K/V of N tokens into `layer` (a traced scalar is fine) at (pages, offsets).
@@ -68,10 +109,7 @@ def write_layer(cache: KVCache, layer, pages: jax.Array, offsets: jax.Array,
     pages, offsets: [N]; k, v: [N, K, hd]. Only those N slots are touched (a scatter, which
     XLA performs in place on a donated buffer) — never a whole-layer select.
     """
-    return KVCache(
-        cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
-        cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)),
-    )
+    return write_slots(cache, layer, pages, offsets, k, v)
 
 
 def gather_layer(cache: KVCache, layer, page_table: jax.Array):
