@@ -417,11 +417,12 @@ class Served:
     wall: float
     stats: Any
     contention: float
-    arrival: list[float]  # when each request was added
+    arrival: list[float]  # when each request arrived (its scheduled time; 0: at the start)
     token_times: list[list[float]]  # when each of its tokens came out of `step`
     step_walls: list[float]  # wall time of every engine.step() call
     step_kinds: list[str]  # "decode" where the step counted as a decode step, else "prefill"
     step_device: list[float]  # split_host: time in runner.step (synchronised), per step
+    completed: list[bool] = dataclasses.field(default_factory=list)  # False: cut by time_limit
 
     @property
     def compile_time(self) -> float:
@@ -433,7 +434,7 @@ class Served:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+        return sum(len(t) for t in self.token_times)
 
     def e2e_tps(self) -> float:
         return self.num_tokens / self.wall if self.wall else float("nan")
@@ -499,14 +500,21 @@ class _SyncedRunner:
 
 
 def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
-          arrivals: Sequence[float] | None = None, max_steps: int = 1_000_000) -> Served:
+          arrivals: Sequence[float] | None = None, time_limit: float | None = None,
+          progress: float | None = None, admit: Callable[[Any], int] | None = None,
+          max_steps: int = 1_000_000) -> Served:
     """Serve `prompts` (token ids or text) through the step-wise engine until all finish.
 
     params: one SamplingParams or one per prompt. arrivals: seconds after the start at which
-    each request is added (None: all at once); the engine steps while any request is
-    running and idles until the next arrival otherwise. split_host: synchronise inside the
-    runner's step to split each step into device and host time (a diagnostic pass: an engine
-    that overlaps host and device loses its overlap under it)."""
+    each request arrives (None: all at once); arrived requests are added between steps (a
+    request arriving during a step waits for it, and its latency counts from its arrival);
+    the engine steps while any request runs and idles until the next arrival otherwise.
+    admit(engine) -> how many of the arrived requests may be added now (default: all; static
+    batching admits a batch only when the engine is idle). time_limit: seconds after which
+    the unfinished requests are aborted (`completed` marks them). progress: seconds between
+    progress lines on stderr. split_host: synchronise inside the runner's step to split each
+    step into device and host time (a diagnostic pass: an engine that overlaps host and
+    device loses its overlap under it)."""
     from ee_jax.serving.params import SamplingParams
 
     engine = engine_of(llm_or_engine)
@@ -518,7 +526,7 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
     order = sorted(range(n), key=lambda i: arrivals[i])
     rids = [f"bench-{next(_ids)}" for _ in range(n)]
     index = {rid: i for i, rid in enumerate(rids)}
-    arrival = [float("nan")] * n
+    arrival = [float(a) for a in arrivals]
     token_times: list[list[float]] = [[] for _ in range(n)]
     done: dict[int, Any] = {}
     step_walls: list[float] = []
@@ -527,6 +535,8 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
     before = stats_snapshot(engine)
     sync = _SyncedRunner(engine.runner) if split_host and hasattr(engine, "runner") else None
     nxt = 0
+    aborted: set[int] = set()
+    last_progress = 0.0
     with Meter() as m:
         t0 = time.perf_counter()
         if sync:
@@ -534,15 +544,31 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
         try:
             for _ in range(max_steps):
                 now = time.perf_counter() - t0
-                while nxt < n and arrivals[order[nxt]] <= now:
+                if time_limit is not None and now > time_limit:
+                    for i in range(n):
+                        if i in done:
+                            continue
+                        aborted.add(i)  # its output: what it had (None: never added)
+                        done[i] = engine.abort_request(rids[i])
+                    break
+                if progress and now - last_progress >= progress:
+                    last_progress = now
+                    arrived = sum(a <= now for a in arrivals)
+                    log(f"  t={now:.0f}s: {arrived}/{n} arrived, {len(done)} done, "
+                        f"{nxt - len(done)} in the engine")
+                allowed = admit(engine) if admit else n
+                while nxt < n and arrivals[order[nxt]] <= now and allowed > 0:
                     i = order[nxt]
                     engine.add_request(rids[i], prompts[i], params[i])
-                    arrival[i] = time.perf_counter() - t0
                     nxt += 1
+                    allowed -= 1
                 if not engine.has_unfinished_requests():
                     if nxt == n:
                         break
-                    time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
+                    wait = arrivals[order[nxt]] - (time.perf_counter() - t0)
+                    if time_limit is not None:
+                        wait = min(wait, time_limit - (time.perf_counter() - t0) + 1e-3)
+                    time.sleep(max(0.0, wait))
                     continue
                 n_decode = engine.stats.num_decode_steps
                 if sync:
@@ -565,15 +591,15 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
         finally:
             if sync:
                 sync.__exit__()
-    for i, a in enumerate(arrivals):  # requests refused at add_request never get an output
+    for i, a in enumerate(arrivals):
         if i not in done:
             raise RuntimeError(f"request {i} (arrival {a:.2f} s) never finished")
     stats = stats_delta(before, engine.stats)
-    res = Served(outputs=[done[i] for i in range(n)], wall=m.wall, stats=stats,
-                 contention=m.contention, arrival=arrival, token_times=token_times,
-                 step_walls=step_walls, step_kinds=step_kinds,
-                 step_device=step_device or [float("nan")] * len(step_walls))
-    return res
+    return Served(outputs=[done[i] for i in range(n)], wall=m.wall, stats=stats,
+                  contention=m.contention, arrival=arrival, token_times=token_times,
+                  step_walls=step_walls, step_kinds=step_kinds,
+                  step_device=step_device or [float("nan")] * len(step_walls),
+                  completed=[i not in aborted for i in range(n)])
 
 
 def warm_and_serve(llm_or_engine, prompts, params, **kw) -> tuple[Served, Served]:
@@ -602,6 +628,8 @@ class HFRun:
     prefill_time: float
     contention: float
     tokens: list[list[int]]
+    start: float = 0.0  # perf_counter at the call
+    forward_ends: list[float] = dataclasses.field(default_factory=list)  # perf_counter, each
 
     def e2e_tps(self) -> float:
         return sum(map(len, self.tokens)) / self.wall
@@ -667,7 +695,7 @@ class HFRunner:
         return HFRun(wall=m.wall, decode_time=t[-1] - t[0] if len(t) > 1 else 0.0,
                      decode_tokens=len(prompts) * (len(t) - 1), decode_steps=len(t) - 1,
                      prefill_time=t[0] - t0 if t else float("nan"), contention=m.contention,
-                     tokens=gen)
+                     tokens=gen, start=t0, forward_ends=list(t))
 
 
 def hf_runner(hf_model, model) -> HFRunner:

@@ -1,0 +1,327 @@
+"""Serving under Poisson arrivals: a request-rate sweep through the step-wise engine.
+
+    python -m bench.poisson --rates 0.1 0.2 0.4 0.8 --requests 24 --new-tokens 64 --batch 8
+    python -m bench.poisson --random --quick          # smoke test: tiny random Llama
+
+For each offered rate (requests/s), one arrival schedule (exponential gaps, seeded, cut at
+--requests requests or --duration seconds, whichever comes first) is served by every mode:
+
+* `full depth`: the engine built with `early_exit=False`, continuous batching (the
+  prefill-first scheduler the engine has), requests added between steps as they arrive;
+* `early exit`: the same engine with the model's shipped exit heads (`--random`: untrained
+  heads at every layer, threshold --threshold);
+* `static`: transformers-style static batching: when idle, take the requests that have
+  arrived (up to --batch), run them to the end, repeat. `--static hf` (default): transformers
+  `generate` on the same f32 weights (token times = the end of each forward pass, from a
+  logits processor's clock: the same "token is ready" moment the engine's step gives);
+  `--static engine`: the full-depth engine admitting a new batch only when idle.
+
+The engine runs in this process (`bench.common.serve`: `add_request` / `step`, arrivals
+injected between steps by wall clock). Every engine is warmed up first on batches of 1, 2, 4,
+... --batch of the same prompts (compiles apart; the table shows any compile during a run).
+A run stops at --time-limit seconds: unfinished requests are aborted and counted as such.
+
+Per run: completed requests, output tokens/s and requests/s over the run, time to first token
+(from the request's arrival) and inter-token latency, p50 and p99; for early exit the
+rows' exit-layer histogram and the ideal speed-up with the LM head counted. Static batching
+"saturates" at the lowest offered rate where it completes under 90% of the offered
+requests/s or its p99 TTFT exceeds 4x its p99 at the lowest rate; the issue's bar compares
+the engine's p99 TTFT there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import (
+    HFRunner,
+    exit_summary,
+    hf_from_gguf,
+    hf_random_pair,
+    hf_runner,
+    load_f32,
+    load_prompts,
+    log,
+    machine,
+    percentile,
+    serve,
+    write_marked,
+)
+
+MARK = ("<!-- bench.poisson:begin -->", "<!-- bench.poisson:end -->")
+
+
+def arrival_times(rate: float, n: int, duration: float, seed: int) -> list[float]:
+    """Poisson process of `rate` per second: at most n arrivals, none after `duration` (at
+    least one, at time 0 + its gap)."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, n))
+    kept = t[t <= duration]
+    return (kept if len(kept) else t[:1]).tolist()
+
+
+def summarize(mode: str, rate: float, arrivals: list[float], token_times: list[list[float]],
+              completed: list[bool], compiles: int = 0, exits: dict | None = None) -> dict:
+    """One run's figures; times in seconds from the run's start."""
+    n = len(arrivals)
+    ends = [t[-1] for t in token_times if t]
+    span = (max(ends) - min(arrivals)) if ends else float("nan")
+    ttft = [t[0] - a for a, t in zip(arrivals, token_times, strict=True) if t]
+    itl = [b - a for t in token_times for a, b in itertools.pairwise(t)]
+    done = sum(completed)
+    return dict(mode=mode, rate=rate, n=n, done=done, span=span,
+                tok_s=sum(map(len, token_times)) / span if span == span and span else 0.0,
+                req_s=done / span if span == span and span else 0.0,
+                offered=n / max(arrivals[-1], 1e-9) if n > 1 else rate,
+                ttft50=percentile(ttft, 50), ttft99=percentile(ttft, 99),
+                itl50=percentile(itl, 50), itl99=percentile(itl, 99),
+                compiles=compiles, exits=exits)
+
+
+# --------------------------------------------------------------------------- the three modes
+
+
+def run_engine(llm, mode, rate, prompts, params, arrivals, args, static: bool = False) -> dict:
+    """Continuous batching (or static: admit a batch only when the engine is idle)."""
+    batch = args.batch
+
+    def admit_static(engine) -> int:
+        return 0 if engine.has_unfinished_requests() else batch
+
+    served = serve(llm, prompts, params, arrivals=arrivals, time_limit=args.time_limit,
+                   progress=args.progress, admit=admit_static if static else None)
+    exits = None
+    if llm.engine.exit_config is not None:
+        exits = exit_summary(served.stats, llm.model.config, llm.engine.exit_config)
+    return summarize(mode, rate, arrivals, served.token_times, served.completed,
+                     served.num_compiles, exits)
+
+
+def run_static_hf(runner: HFRunner, rate, prompts, arrivals, args) -> dict:
+    """transformers `generate` in static batches: when idle, every arrived request (up to
+    --batch) runs to --new-tokens; token k of a batch is ready at its k-th forward's end."""
+    n = len(prompts)
+    token_times: list[list[float]] = [[] for _ in range(n)]
+    completed = [False] * n
+    nxt, last_progress = 0, 0.0
+    t0 = time.perf_counter()
+    while nxt < n:
+        now = time.perf_counter() - t0
+        if now > args.time_limit:
+            break
+        if args.progress and now - last_progress >= args.progress:
+            last_progress = now
+            log(f"  t={now:.0f}s: {sum(a <= now for a in arrivals)}/{n} arrived, {nxt} done")
+        if arrivals[nxt] > now:
+            time.sleep(min(arrivals[nxt] - now, args.time_limit - now + 1e-3))
+            continue
+        take = [i for i in range(nxt, min(n, nxt + args.batch)) if arrivals[i] <= now]
+        run = runner.run([prompts[i] for i in take], args.new_tokens)
+        for i in take:
+            token_times[i] = [t - t0 for t in run.forward_ends]
+            completed[i] = True
+        nxt = take[-1] + 1
+    return summarize(f"static ({'transformers' if args.static == 'hf' else 'engine'})", rate,
+                     arrivals, token_times, completed)
+
+
+def warm_up(llm, prompts, params, batch: int) -> float:
+    """Serve batches of 1, 2, 4, ... `batch` prompts (every bucket a Poisson run is likely to
+    meet gets compiled); returns the compile time."""
+    sizes = sorted({min(batch, 2**k) for k in range(batch.bit_length() + 1)})
+    total = 0.0
+    for b in sizes:
+        total += serve(llm, prompts[:b], params).compile_time
+    return total
+
+
+# --------------------------------------------------------------------------- report
+
+
+def saturation_rate(rows: list[dict]) -> float | None:
+    """The lowest offered rate at which a mode completes under 90% of the offered requests/s
+    or its p99 TTFT exceeds 4x its p99 at the lowest rate."""
+    rows = sorted(rows, key=lambda r: r["rate"])
+    if not rows:
+        return None
+    base = rows[0]["ttft99"]
+    for r in rows:
+        if r["req_s"] < 0.9 * min(r["rate"], r["offered"]) or r["ttft99"] > 4 * base:
+            return r["rate"]
+    return None
+
+
+def render(ctx: dict) -> str:
+    out = ["## Serving under Poisson arrivals (`bench/poisson.py`)", "",
+           f"Command: `{ctx['command']}`  ", f"Machine: {ctx['machine']}. Run {ctx['date']}.  ",
+           f"Model: {ctx['weights']}; engine {ctx['engine']}.  ",
+           f"Workload: {ctx['workload']}. Static baseline: {ctx['static']}.  ",
+           f"Warm-up compile time: {ctx['compile']}.", "",
+           "| rate req/s | mode | done / requests | span s | tok/s | req/s | TTFT p50 s | "
+           "TTFT p99 s | ITL p50 ms | ITL p99 ms | compiles in run | exits (rows) |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in ctx["rows"]:
+        ex = r["exits"]
+        ex_s = (f"{{{ex['row_hist']}}}, mean {ex['mean_layers']:.1f}, ideal "
+                f"{ex['ideal']:.2f}x" if ex else "-")
+        out.append(f"| {r['rate']:g} | {r['mode']} | {r['done']}/{r['n']} | {r['span']:.1f} | "
+                   f"{r['tok_s']:.1f} | {r['req_s']:.2f} | {r['ttft50']:.2f} | "
+                   f"{r['ttft99']:.2f} | {1e3 * r['itl50']:.1f} | {1e3 * r['itl99']:.1f} | "
+                   f"{r['compiles']} | {ex_s} |")
+    sat = ctx["saturation"]
+    out += ["", "TTFT counts from the request's arrival (a request arriving during a step "
+            "waits for it); ITL: gaps between a request's successive tokens (static "
+            "transformers: between forward passes). span: first arrival to last token. "
+            "Ideal: (L + head) / (mean layers + exit head + checks), layer-equivalents."]
+    if sat is None:
+        out += ["", "Static batching did not saturate at the rates run (criterion: completes "
+                "under 90% of the offered requests/s, or p99 TTFT over 4x its lowest-rate "
+                "p99)."]
+    else:
+        at = {r["mode"]: r for r in ctx["rows"] if r["rate"] == sat}
+        parts = ", ".join(f"{m}: {r['ttft99']:.2f} s" for m, r in at.items())
+        out += ["", f"Static batching saturates at {sat:g} req/s (completes under 90% of the "
+                f"offered requests/s, or p99 TTFT over 4x its lowest-rate p99). p99 TTFT "
+                f"there: {parts}."]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.poisson",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--random", action="store_true",
+                   help="a tiny random Llama (transformers init, loaded by both engines)")
+    p.add_argument("--prompts", choices=("humaneval", "chat", "demo"), default="humaneval")
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=400)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.8])
+    p.add_argument("--requests", type=int, default=24, help="at most this many per run")
+    p.add_argument("--duration", type=float, default=120.0,
+                   help="no arrival after this many seconds")
+    p.add_argument("--time-limit", type=float, default=600.0,
+                   help="abort what is unfinished after this many seconds of a run")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="max_num_seqs; static batch size")
+    p.add_argument("--modes", nargs="+", default=["full", "early", "static"],
+                   choices=("full", "early", "static"))
+    p.add_argument("--static", choices=("hf", "engine"), default="hf")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="exit threshold (default: the shipped heads' own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--out", type=Path, default=None,
+                   help="markdown file whose bench.poisson section is (re)written")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: rates 2 8, 6 requests, 8 tokens, batch 2, 60 s limit")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rates, args.requests, args.new_tokens, args.batch = [2.0, 8.0], 6, 8, 2
+        args.time_limit, args.progress = 60.0, 5.0
+    if min(args.rates) <= 0:
+        p.error("--rates must be positive (requests per second)")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+
+    from ee_jax.models import exits
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.params import greedy
+
+    tmp = None
+    if args.random:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-poisson-")
+        m, hf = hf_random_pair(Path(tmp.name), "tiny", seed=args.seed)
+        weights = "random tiny Llama (4 layers; transformers init, one checkpoint), f32"
+        ec = exits.ExitConfig(exit_layers=(1, 2, 3), threshold=args.threshold or 0.02)
+        heads = None
+    else:
+        m = load_f32(args.model)
+        hf = hf_from_gguf(args.model) if "static" in args.modes and args.static == "hf" else None
+        weights = f"{args.model} (GGUF dequantized to f32 by both loaders)"
+        shipped = m.shipped_exit_heads()
+        if shipped is None and "early" in args.modes:
+            raise SystemExit(f"{args.model} ships no exit heads: drop 'early' from --modes")
+        ec, heads = shipped or (None, None)
+    if ec is not None and args.threshold is not None:
+        ec = dataclasses.replace(ec, threshold=args.threshold)
+    prompts = load_prompts(args.prompts, m.tokenizer, args.requests, args.min_prompt,
+                           args.max_prompt)
+    lens = [len(p) for p in prompts]
+    max_len = -(-(max(lens) + args.new_tokens + 16) // 16) * 16
+    kw = dict(max_num_seqs=args.batch, max_model_len=max_len, progress=False)
+    params = greedy(args.new_tokens, ignore_eos=True)
+
+    engines: dict[str, object] = {}
+    compile_s = {}
+    if "full" in args.modes or ("static" in args.modes and args.static == "engine"):
+        engines["full depth"] = LLM(m, early_exit=False, **kw)  # the full-depth baseline
+    if "early" in args.modes:
+        engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads, **kw)
+    for name, llm in engines.items():
+        log(f"warm-up {name}: batches 1 .. {args.batch}")
+        compile_s[name] = warm_up(llm, prompts, params, args.batch)
+    runner = None
+    if "static" in args.modes and args.static == "hf":
+        runner = hf_runner(hf, m)
+        runner.run(prompts[:1], 2)  # warm-up
+
+    rows = []
+    for rate in args.rates:
+        arrivals = arrival_times(rate, args.requests, args.duration, args.seed)
+        ps = prompts[:len(arrivals)]
+        log(f"rate {rate:g} req/s: {len(arrivals)} requests over {arrivals[-1]:.1f} s")
+        for mode in args.modes:
+            if mode == "static":
+                log(f"  static ({args.static}) ...")
+                r = (run_static_hf(runner, rate, ps, arrivals, args) if args.static == "hf"
+                     else run_engine(engines["full depth"], "static (engine)", rate, ps, params,
+                                     arrivals, args, static=True))
+            else:
+                name = "full depth" if mode == "full" else "early exit"
+                log(f"  {name} ...")
+                r = run_engine(engines[name], name, rate, ps, params, arrivals, args)
+            log(f"  {r['mode']}: {r['done']}/{r['n']} done, {r['tok_s']:.1f} tok/s, TTFT p50 "
+                f"{r['ttft50']:.2f} s p99 {r['ttft99']:.2f} s, ITL p50 {1e3 * r['itl50']:.0f} "
+                f"ms p99 {1e3 * r['itl99']:.0f} ms")
+            rows.append(r)
+
+    static_rows = [r for r in rows if r["mode"].startswith("static")]
+    ctx = dict(command="python -m bench.poisson " + " ".join(argv), machine=machine(),
+               date=time.strftime("%Y-%m-%d %H:%M"), weights=weights,
+               engine=f"max_num_seqs={args.batch}, max_model_len={max_len}, defaults otherwise",
+               workload=(f"{args.prompts} prompts ({min(lens)}-{max(lens)} tokens), greedy, "
+                         f"{args.new_tokens} new tokens each (EOS ignored), at most "
+                         f"{args.requests} requests or {args.duration:g} s of arrivals per "
+                         f"rate, seed {args.seed}, time limit {args.time_limit:g} s"),
+               static=(f"transformers generate, batches of up to {args.batch}"
+                       if args.static == "hf" else
+                       f"the full-depth engine admitting up to {args.batch} when idle"),
+               compile=", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()) or "-",
+               rows=rows, saturation=saturation_rate(static_rows))
+    text = render(ctx)
+    print(text)
+    if args.out:
+        write_marked(args.out, text, MARK)
+        log(f"wrote {args.out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
