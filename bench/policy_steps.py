@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from bench.serving import log, select_prompts
+from bench.common import humaneval_prompts, log
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if shipped is None:
         raise SystemExit(f"{args.model} ships no exit heads")
     ec, heads = shipped
-    prompts = [ids for _, ids in select_prompts(m.tokenizer, 100, 200)][:args.batch]
+    prompts = [ids for _, ids in humaneval_prompts(m.tokenizer, 100, 200)][:args.batch]
 
     def engine(exit_config=None):
         return LLM(m, exit_config=exit_config, exit_heads=heads if exit_config else None,
