@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import time
 
-from bench.serving import log, smollm2_shaped_random
+from bench.common import log, smollm2_shaped_random
 
 
 def main(argv=None) -> int:
