@@ -441,7 +441,20 @@ class Served:
 
     @property
     def decode_tps(self) -> float:
+        """Decode tokens/s by the engine's own stats (its decode steps' time)."""
         return self.stats.decode_tokens_per_s
+
+    def decode_tps_wall(self) -> float:
+        """Decode tokens/s by the clock, as transformers' is measured: the tokens that came
+        out after every request had its first token, over the time from then to the last
+        token (host work between steps included)."""
+        firsts = [t[0] for t in self.token_times if t]
+        if not firsts:
+            return float("nan")
+        start = max(firsts)
+        end = max(t[-1] for t in self.token_times if t)
+        n = sum(x > start for t in self.token_times for x in t)
+        return n / (end - start) if end > start else float("nan")
 
     @property
     def decode_step_time(self) -> float:

@@ -20,9 +20,11 @@ reported apart), transformers gets a short warm-up too, then the two are measure
   transformers: `min_new_tokens`, which masks EOS until then, so greedy agreement is compared
   only up to the first EOS ee-jax emits).
 * End-to-end tokens/s = B * new_tokens / wall time of the whole call (prefill, decode, host
-  work). Decode tokens/s = B * (new_tokens - 1) / time of the decode steps (ee-jax: its engine
-  stats of that call; transformers: timestamps of the first and last logits-processor call,
-  i.e. after the prefill forward and after the last decode forward).
+  work). Decode tokens/s = B * (new_tokens - 1) / the time from the moment every sequence has
+  its first token to the last token, by the same clock on both sides (ee-jax: the return of
+  the engine step that produced a token; transformers: a logits processor's call after each
+  forward). Host work between steps is in it on both sides. ee-jax's own stats (time inside
+  its decode steps) give the "step (measured)" column.
 * Host time per decode step: one more ee-jax pass per batch with the runner's step
   synchronised (`bench.common.serve(split_host=True)`): host = the wall time of
   `engine.step()` outside the runner's step, device = inside it; median over the decode steps.
@@ -225,8 +227,9 @@ def render(ctx: dict) -> str:
           f"{'' if r['all_clean'] else ', all contended'}) |")
     a("")
     a("Ratios are ee-jax over transformers (higher is better for ee-jax). \"Decode\" counts "
-      "the B x (new tokens - 1) tokens produced after the prefill step, over the time of "
-      "those steps only; \"e2e\" is every generated token over the whole call. "
+      "the B x (new tokens - 1) tokens produced once every sequence has its first token, over "
+      "the clock time from then to the last token (the same clock on both sides); \"e2e\" is "
+      "every generated token over the whole call. "
       "Contention: CPU time used by other processes during a measured call, as a share of all "
       "cores: the worst call among the pairs the medians use; a pair with a contended call is "
       f"measured again (up to {ctx['extra_reps']} extra pairs) and left out when uncontended "
@@ -417,7 +420,8 @@ def main(argv=None) -> int:
             o = run_eejax(llm, prompts, args.new_tokens)
             recompiled = f", {o.num_compiles} compiles!" if o.num_compiles else ""
             log(f"batch {B} call {rep}: ee-jax {o.wall:.2f} s ({o.e2e_tps():.1f} tok/s e2e, "
-                f"{o.decode_tps:.1f} decode{recompiled}), contention {100 * o.contention:.0f}%")
+                f"{o.decode_tps_wall():.1f} decode{recompiled}), contention "
+                f"{100 * o.contention:.0f}%")
             h = runner.run(prompts, args.new_tokens)
             log(f"batch {B} call {rep}: transformers {h.wall:.2f} s ({h.e2e_tps():.1f} tok/s "
                 f"e2e, {h.decode_tps:.1f} decode), contention {100 * h.contention:.0f}%")
@@ -443,7 +447,7 @@ def main(argv=None) -> int:
         row = dict(
             batch=B, plen_mean=float(np.mean(lens)), plen_min=min(lens), plen_max=max(lens),
             ours_e2e=median([o.e2e_tps() for o in ours]),
-            ours_decode=median([o.decode_tps for o in ours]),
+            ours_decode=median([o.decode_tps_wall() for o in ours]),
             ours_prefill=median([o.stats.prefill_time for o in ours]),
             ours_step=median([o.decode_step_time for o in ours]),
             hf_e2e=median([h.e2e_tps() for h in theirs]),
