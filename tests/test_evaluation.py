@@ -162,6 +162,15 @@ def test_dense_predictions_equal_a_naive_per_token_loop(dense):
     assert 0 < dense["tuned"].agree.mean() < 1
 
 
+def test_scored_positions_are_the_full_predictions_restricted(dense):
+    starts = [4, 0, 10, 2]  # e.g. prompt lengths - 1: only answer positions count
+    part = exit_predictions(CFG, PARAMS, SEQS, {"tuned": VARIANTS["tuned"]}, seq_len=SEQ_LEN,
+                            rows=2, progress=False, score_from=starts)["tuned"]
+    keep = np.concatenate([np.arange(len(s)) >= k for s, k in zip(SEQS, starts, strict=True)])
+    np.testing.assert_array_equal(part.confidence, dense["tuned"].confidence[:, keep])
+    np.testing.assert_array_equal(part.agree, dense["tuned"].agree[:, keep])
+
+
 def test_simulation_threshold_above_one_runs_full_depth(dense):
     pred = dense["tuned"]
     never, always = simulate_exits(pred, [1.01, 0.0])

@@ -107,8 +107,10 @@ def test_shipped_preset_parses_and_fits_smollm2():
 
 def test_data_splits_are_disjoint_and_deterministic():
     for fn in (data.instructions, data.code_prompts):
-        train, held = fn("train"), fn("eval")
-        assert train and held and not set(train) & set(held)
+        train, held, calib = fn("train"), fn("eval"), fn("calib")
+        assert train and held and calib
+        assert not set(train) & set(held) and not set(train) & set(calib)
+        assert not set(calib) & set(held)
         assert fn("eval", 5, seed=1) == fn("eval", 5, seed=1)
     with pytest.raises(ValueError, match="split"):
         data.instructions("test")
@@ -119,3 +121,72 @@ def test_pack_cuts_the_stream_into_rows_with_separators():
     # stream: 1 2 3 0 4 5 0 6 7 8 9 0 -> three full rows
     np.testing.assert_array_equal(rows, [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]])
     assert data.pack([[1]], seq_len=4, sep=None).shape == (0, 4)
+
+
+# --------------------------------------------------------------------------- method "cached"
+
+
+def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
+    from ee_jax.models import llama
+    from ee_jax.training.cached import batch_vocab
+    from ee_jax.training.losses import restricted_exit_losses
+
+    ec = exits.ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
+    heads = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
+    heads["mlp"]["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads["mlp"]["up"].shape)
+    tokens = jnp.asarray(ROWS[:2])
+    final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
+    hs = hidden[np.asarray(ec.exit_layers) - 1]
+    fin = llama.norm(hidden[-1], PARAMS["final_norm"], CFG)
+    V = CFG.vocab_size
+    top = np.asarray(jax.lax.top_k(final, 4)[1])
+    ids, valid, pos = batch_vocab(ROWS[:2, 1:], top, V, np.arange(V))
+    assert valid.all() and sorted(ids) == list(range(V))
+    np.testing.assert_array_equal(ids[pos], ROWS[:2, 1:])  # positions index the real tokens
+    _, m = restricted_exit_losses(heads, PARAMS, hs, fin, jnp.asarray(ids), jnp.asarray(valid),
+                                  jnp.asarray(pos), CFG, ec, LossWeights())
+    for slot, e in enumerate(ec.exit_layers):  # numpy KL over the whole vocabulary
+        lq = np.asarray(jax.nn.log_softmax(exits.exit_logits(PARAMS, heads, slot,
+                                                              hidden[e - 1], CFG)), np.float64)
+        lp = np.asarray(jax.nn.log_softmax(final), np.float64)
+        kl = (np.exp(lp) * (lp - lq)).sum(-1).mean()
+        assert float(m["kl"][slot]) == pytest.approx(kl, rel=1e-4, abs=1e-6)
+        ce = -np.take_along_axis(lq[:, :-1], ROWS[:2, 1:, None], -1).mean()
+        assert float(m["ce"][slot]) == pytest.approx(ce, rel=1e-4)
+    # a smaller restricted vocabulary holds every real next token first
+    ids, valid, pos = batch_vocab(ROWS[:2, 1:], top, 40, np.arange(V))
+    np.testing.assert_array_equal(ids[pos], ROWS[:2, 1:])
+    assert valid.sum() == 40
+
+
+def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(tmp_path):
+    from ee_jax.models import llama
+    from ee_jax.training.cached import cache_states
+    from ee_jax.training.losses import restricted_exit_losses
+
+    before = jax.tree.map(np.array, PARAMS)
+    tc = tiny_tune_config(tmp_path, method="cached", measure="candidates", vocab_subset=64,
+                          candidates=4, kl_vocab=96, teacher_topk=4, epochs=6,
+                          decision_steps=50, target_agreement=0.5)
+    calib = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 24)).astype(np.int32)
+    res = tune(tc, model=MODEL, train=ROWS, held_out=ROWS[:2], calib=calib, progress=False)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(PARAMS), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # the loss on the training rows, over the whole vocabulary, went down
+    ec = tc.exit_config()
+    cache = cache_states(CFG, PARAMS, ROWS, ec.exit_layers, 4, progress=False)
+    V = CFG.vocab_size
+    fin = llama.norm(llama.forward(PARAMS, jnp.asarray(ROWS), CFG, return_hidden=True)[1][-1],
+                     PARAMS["final_norm"], CFG)
+    loss = jax.jit(lambda h: restricted_exit_losses(
+        h, PARAMS, jnp.asarray(np.moveaxis(cache["hs"], 1, 0)), fin, jnp.arange(V),
+        jnp.ones(V, bool), jnp.asarray(ROWS[:, 1:]), CFG, ec, tc.loss_weights())[0])
+    start = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))
+    assert float(loss(res.heads)) < float(loss(start)) - 1e-3
+    # saved: subset of the most frequent ids, decision MLPs, calibrated threshold
+    ec2, heads = load_exit_heads(tc.output, CFG)
+    assert ec2.measure == "candidates" and heads["vocab"].shape == (64,)
+    assert ec2.threshold == res.exit_config.threshold
+    assert ec2.threshold == exits.NEVER or 0.0 < ec2.threshold < 1.0
+    ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
+    assert ec3.threshold == exits.NEVER  # agreement 1 cannot be certified with errors allowed

@@ -83,14 +83,23 @@ def windows(sequences: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]
     return [list(s[i:i + seq_len]) for s in sequences for i in range(0, len(s), seq_len)]
 
 
-def _slot_confidence(params, heads, slot, h, h_prev, cfg: ModelConfig, ec: ExitConfig):
-    """(confidence, top-1) of exit `slot` for h [B, T, D], as the decode step computes it."""
-    conf, logits, _ = exits.check_confidence(params, heads, slot, h,
-                                             exits.CheckState(h_prev=h_prev), cfg, ec)
+def scored_masks(sequences: Sequence[Sequence[int]], score_from: Sequence[int] | None
+                 ) -> list[list[bool]]:
+    """Per sequence, which positions count: those >= score_from[i] (e.g. the prompt length
+    - 1, so only positions predicting the model's answer count); all when None."""
+    if score_from is None:
+        return [[True] * len(s) for s in sequences]
+    return [[j >= k for j in range(len(s))] for s, k in zip(sequences, score_from, strict=True)]
+
+
+def _slot_confidence(params, heads, slot, h, state, cfg: ModelConfig, ec: ExitConfig):
+    """(confidence, top-1, next check state) of exit `slot` for h [B, T, D], as the decode
+    step computes it (the state chained over exits in order)."""
+    conf, logits, state = exits.check_confidence(params, heads, slot, h, state, cfg, ec)
     if logits is None:
         logits = exits.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
     top = jnp.argmax(logits, axis=-1)
-    return conf, top
+    return conf, top, state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "configs"))
@@ -103,24 +112,25 @@ def _dense_pass(params, heads_list, tokens, cfg: ModelConfig, configs: tuple[Exi
     out = []
     for ec, heads in zip(configs, heads_list, strict=True):
         hs = hidden[np.asarray(ec.exit_layers) - 1]  # [E, B, T, D]
-        prev = jnp.concatenate([emb[None].astype(hs.dtype), hs[:-1]], axis=0)
 
-        def one(args, ec=ec, heads=heads):  # one exit at a time: [B, T, V] logits at most
-            slot, h, h_prev = args
-            conf, top = _slot_confidence(params, heads, slot, h, h_prev, cfg, ec)
-            return conf.astype(jnp.float32), top == final_top
+        def one(state, args, ec=ec, heads=heads):  # one exit at a time: [B, T, V] at most
+            slot, h = args
+            conf, top, state = _slot_confidence(params, heads, slot, h, state, cfg, ec)
+            return state, (conf.astype(jnp.float32), top == final_top)
 
-        out.append(jax.lax.map(one, (jnp.arange(len(ec.exit_layers)), hs, prev)))
+        state0 = exits.init_check_state(emb.astype(hs.dtype), ec)
+        out.append(jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs))[1])
     return out
 
 
 def exit_predictions(cfg: ModelConfig, params, sequences: Sequence[Sequence[int]],
                      variants: Mapping[str, tuple[ExitConfig, object]], *, seq_len: int = 256,
-                     rows: int = 2, progress: bool = True, desc: str = "dense exits"
-                     ) -> dict[str, ExitPredictions]:
+                     rows: int = 2, progress: bool = True, desc: str = "dense exits",
+                     score_from: Sequence[int] | None = None) -> dict[str, ExitPredictions]:
     """Confidence and agreement of every exit of every variant {name: (ExitConfig, heads)}
-    on every token of `sequences` (each position predicts the next token; all count).
-    Runs `rows` windows of `seq_len` tokens per jitted call (one compiled program)."""
+    on every token of `sequences` (each position predicts the next token; all count unless
+    `score_from` says from which position on each sequence counts). Runs `rows` windows of
+    `seq_len` tokens per jitted call (one compiled program)."""
     names = list(variants)
     configs = tuple(variants[n][0] for n in names)
     for ec, heads in variants.values():
@@ -130,6 +140,7 @@ def exit_predictions(cfg: ModelConfig, params, sequences: Sequence[Sequence[int]
         exits.check_heads(cfg, ec, heads)
     heads_list = [variants[n][1] for n in names]
     wins = windows(sequences, seq_len)
+    scored = windows(scored_masks(sequences, score_from), seq_len)
     if not wins:
         raise ValueError("exit_predictions: no tokens to evaluate")
     conf: list[list[np.ndarray]] = [[] for _ in names]
@@ -141,7 +152,7 @@ def exit_predictions(cfg: ModelConfig, params, sequences: Sequence[Sequence[int]
         valid = np.zeros((rows, seq_len), bool)
         for r, w in enumerate(chunk):
             tokens[r, :len(w)] = w
-            valid[r, :len(w)] = True
+            valid[r, :len(w)] = scored[start + r]
         res = _dense_pass(params, heads_list, jnp.asarray(tokens), cfg, configs)
         for i, (c, a) in enumerate(res):
             conf[i].append(np.asarray(c)[:, valid])  # [E, n valid]

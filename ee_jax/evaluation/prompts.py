@@ -29,6 +29,45 @@ def held_out_instructions(limit: int | None = None) -> list[str]:
     return instructions("eval", limit=limit)
 
 
+# Everyday chat requests written for this evaluation (2026-12-01), about nothing the tuning
+# data touches (no Python standard library, no code): heads that only fit their own data
+# show it here. Never used by tuning or calibration.
+GENERAL_CHAT = (
+    "Give me three tips for sleeping better.",
+    "What is the difference between weather and climate?",
+    "Write a short poem about the sea in autumn.",
+    "How do I make a simple tomato sauce?",
+    "Explain photosynthesis to a ten-year-old.",
+    "What are some good habits for saving money?",
+    "Summarize the story of Romeo and Juliet in a few sentences.",
+    "Why is the sky blue?",
+    "Suggest a name for a small bakery and explain why.",
+    "What should I pack for a weekend hiking trip?",
+    "How can I improve my public speaking?",
+    "Write a polite email asking my landlord to fix the heating.",
+    "What causes earthquakes?",
+    "Give me a short workout I can do at home without equipment.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Describe the water cycle.",
+    "How do vaccines train the immune system?",
+    "Write a haiku about a cat sleeping in the sun.",
+    "What are the benefits of learning a second language?",
+    "Explain what inflation is in simple terms.",
+    "How do I care for a basil plant?",
+    "Tell me a fun fact about octopuses.",
+    "What is a good way to start a conversation with a new colleague?",
+    "Explain the rules of chess briefly.",
+    "Why do leaves change colour in the fall?",
+    "Plan a one-day visit to Paris for a first-time tourist.",
+    "What is the difference between a virus and a bacterium?",
+    "How do I write a good cover letter?",
+    "Describe how a rainbow forms.",
+    "What are three classic novels worth reading, and why?",
+    "How can I reduce stress during exams?",
+    "Explain how a bicycle stays upright when it moves.",
+)
+
+
 def chat_prompts(tokenizer, instructions: Sequence[str]) -> list[list[int]]:
     """Each instruction as a user turn in the model's chat template, ready for the answer."""
     return [list(tokenizer.encode(tokenizer.apply_chat_template(

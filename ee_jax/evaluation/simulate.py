@@ -24,14 +24,16 @@ class SimulatedExits:
     ideal_speedup: float  # L / mean_layers
     agreement: float  # exit token == final token (tokens that run all layers agree)
     exit_counts: dict[int, int]  # tokens per exit layer (L: no exit)
+    ideal_with_head: float | None = None  # (L + head) / mean cost, heads and checks counted
 
     def histogram(self) -> str:
         return " ".join(f"{k}:{v}" for k, v in sorted(self.exit_counts.items()))
 
 
 def simulate_exits(pred: ExitPredictions, thresholds: Iterable[float],
-                   min_exit_layer: int | None = None) -> list[SimulatedExits]:
-    """One SimulatedExits per threshold. min_exit_layer defaults to the ExitConfig's."""
+                   min_exit_layer: int | None = None, cost=None) -> list[SimulatedExits]:
+    """One SimulatedExits per threshold. min_exit_layer defaults to the ExitConfig's.
+    cost: an `exits.CostModel` (`exits.cost_model(cfg, ec)`) for the ideal with head costs."""
     L = pred.n_layers
     layers = np.asarray(pred.exit_layers)
     lo = pred.exit_config.min_exit_layer if min_exit_layer is None else min_exit_layer
@@ -46,7 +48,8 @@ def simulate_exits(pred: ExitPredictions, thresholds: Iterable[float],
         agree = np.where(leaves, pred.agree[first, np.arange(n)], True)
         vals, counts = np.unique(exit_layer, return_counts=True)
         mean = float(exit_layer.mean()) if n else float(L)
+        hist = {int(v): int(c) for v, c in zip(vals, counts, strict=True)}
         out.append(SimulatedExits(float(thr), n, mean, L / mean if mean else 1.0,
-                                  float(agree.mean()) if n else 1.0,
-                                  {int(v): int(c) for v, c in zip(vals, counts, strict=True)}))
+                                  float(agree.mean()) if n else 1.0, hist,
+                                  None if cost is None else cost.ideal_speedup(hist)))
     return out

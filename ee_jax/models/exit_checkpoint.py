@@ -2,6 +2,9 @@
 
     <folder>/exit_config.json   the ExitConfig and the model it was trained for
     <folder>/heads/             orbax StandardCheckpointer item
+    <folder>/calibration.json   (optional) errors per threshold on a held-apart split, so a
+                                threshold can be picked for any target agreement at load
+                                (`ee_jax.training.calibrate`)
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import shutil
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from ee_jax.errors import ModelLoadError
 from ee_jax.models import exits
 from ee_jax.models.config import ModelConfig
 
 CONFIG = "exit_config.json"
+CALIBRATION = "calibration.json"
 
 
 def _model_id(cfg: ModelConfig) -> dict:
@@ -25,7 +30,7 @@ def _model_id(cfg: ModelConfig) -> dict:
 
 
 def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
-                    overwrite: bool = True) -> Path:
+                    overwrite: bool = True, calibration: dict | None = None) -> Path:
     import orbax.checkpoint as ocp
 
     exits.check_heads(cfg, ec, heads)
@@ -40,13 +45,16 @@ def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
         ckptr.wait_until_finished()
     meta = {"exit_config": dataclasses.asdict(ec), "model": _model_id(cfg)}
     (path / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    if calibration is not None:
+        (path / CALIBRATION).write_text(json.dumps(calibration, indent=1) + "\n")
     return path
 
 
-def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None = None
-                    ) -> tuple[exits.ExitConfig, dict]:
+def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None = None,
+                    target_agreement: float | None = None) -> tuple[exits.ExitConfig, dict]:
     """Restore heads for `cfg`; fails clearly if they were made for another model, or for
-    other exit layers than `exit_layers` (when the caller asks for specific ones)."""
+    other exit layers than `exit_layers` (when the caller asks for specific ones). With
+    `target_agreement`, the threshold is re-picked from the shipped calibration table."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -67,8 +75,22 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
             f"(ee-jax tune)")
     ec = exits.ExitConfig(**d)
     ec.validate_for(cfg)
+    if target_agreement is not None:
+        from ee_jax.training import calibrate
+
+        calibrate.check_target(target_agreement)
+        if not (path / CALIBRATION).is_file():
+            raise exits.ExitConfigError(
+                f"exit heads in {path} have no {CALIBRATION}: they cannot pick a threshold "
+                f"for target agreement {target_agreement}; set a threshold instead")
+        cal = json.loads((path / CALIBRATION).read_text())
+        table = calibrate.CalibrationTable.from_json(cal)
+        thr = calibrate.pick_threshold(table, target_agreement, cal.get("delta", 0.1))
+        ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
     target = exits.head_shapes(cfg, ec)
     with ocp.StandardCheckpointer() as ckptr:
         heads = ckptr.restore(path / "heads", target)
     exits.check_heads(cfg, ec, heads)
+    if "vocab" in heads:
+        exits.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
     return ec, jax.tree.map(lambda a: a, heads)

@@ -8,10 +8,23 @@ leading exit axis in the order of `ExitConfig.exit_layers`:
     adapter/    down [E, D, r], up [E, r, D]     (head "adapter": residual low-rank adapter)
     mlp/        down [E, D, r], up [E, r, D]     (head "mlp": residual SiLU MLP of width r)
     classifier/ w [E, D], b [E]                  (measure "classifier": CALM's learned "meta")
+    vocab       [K] int32                        (vocab_subset K > 0: the ids exit heads score)
+    decision/   w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E]   (measure "candidates")
 
 Every head ends in the model's own LM head (`llama.unembed`), so an exit adds no vocabulary
-matrix. Measures that need no vocabulary projection (saturation, classifier) let the decode
-step skip the projection at exit checks where the batch does not leave.
+matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder layers, so two things keep
+it off the path (issue #12):
+
+* a *vocabulary subset*: an exit head may score only K frequent token ids (the rows of the
+  LM head at `heads["vocab"]`); a token outside the subset can only come from full depth.
+* measure "candidates" (SpecEE-style, arXiv 2504.08850): the first exit check projects onto
+  the exit head's vocabulary once and keeps its top-k ids as candidates; every later check
+  scores only those k rows of the LM head and feeds a few features (candidate probabilities
+  and margins, their change since the previous check, the hidden state's change) to one tiny
+  MLP per exit, whose output is a calibrated probability that the exit's token equals the
+  final layer's. The exit head runs in full once, at the exit taken (`row_exit_logits`).
+
+`cost_model` / `ideal_speedup_with_head` count all of it in layer-equivalents.
 
 Policies: "all" (the paper's batch-wide rule), "quorum", "never", and "per_row": every row
 leaves at its own first confident exit and takes that exit's head, while the rows still
@@ -32,13 +45,16 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 
 HeadType = Literal["norm", "adapter", "mlp"]
-Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier"]
+Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
-MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier")
+MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp")
 POLICIES = ("all", "quorum", "never", "per_row")
 NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
+MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
+N_FEATURES = 9  # candidate features per check (`candidate_features`)
+DECISION_HIDDEN = 16  # width of the per-exit decision MLP
 
 
 class ExitConfigError(EEJaxError, ValueError):
@@ -64,6 +80,12 @@ class ExitConfig:
     costs about what it costs over eight (weight reads dominate), so raising it there saves
     compile time and gathers for nothing lost.
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
+    vocab_subset: K > 0 — exit heads score only the K token ids in `heads["vocab"]` (logits of
+    every other id are MASKED); 0 — the whole vocabulary.
+    candidates: measure "candidates" only — how many of the first check's top tokens later
+    checks score.
+    target_agreement: the teacher-forced agreement with full depth that the shipped threshold
+    was calibrated to meet (`ee_jax.training.calibrate`); in (0, 1].
     """
 
     exit_layers: tuple[int, ...] = ()
@@ -76,6 +98,9 @@ class ExitConfig:
     adapter_rank: int = 64
     force_exit_layer: int | None = None
     min_row_bucket: int = 1
+    vocab_subset: int = 0
+    candidates: int = 8
+    target_agreement: float = 0.95
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
@@ -96,6 +121,18 @@ class ExitConfig:
         if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
             raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
                                   f"{self.min_row_bucket!r}")
+        if not (isinstance(self.vocab_subset, int) and self.vocab_subset >= 0):
+            raise ExitConfigError(f"vocab_subset must be an integer >= 0 (0: the whole "
+                                  f"vocabulary), got {self.vocab_subset!r}")
+        if not (isinstance(self.candidates, int) and self.candidates >= 2):
+            raise ExitConfigError(f"candidates must be an integer >= 2, got "
+                                  f"{self.candidates!r}")
+        if self.vocab_subset and self.candidates > self.vocab_subset:
+            raise ExitConfigError(f"candidates ({self.candidates}) cannot exceed vocab_subset "
+                                  f"({self.vocab_subset})")
+        if not 0.0 < self.target_agreement <= 1.0:
+            raise ExitConfigError(f"target_agreement must be in (0, 1] (a fraction of tokens "
+                                  f"equal to full depth), got {self.target_agreement}")
         if not 0.0 < self.quorum <= 1.0:
             raise ExitConfigError(f"quorum must be in (0, 1], got {self.quorum}")
         if self.force_exit_layer is not None and self.force_exit_layer not in self.exit_layers:
@@ -113,6 +150,12 @@ class ExitConfig:
                 f"exit layers {bad} are out of range: an exit layer counts the layers run "
                 f"before it, so it must be in [1, {cfg.n_layers - 1}] for this "
                 f"{cfg.n_layers}-layer model")
+        if self.vocab_subset > cfg.vocab_size:
+            raise ExitConfigError(f"vocab_subset {self.vocab_subset} exceeds the model's "
+                                  f"vocabulary of {cfg.vocab_size} tokens")
+        if self.measure == "candidates" and self.candidates > cfg.vocab_size:
+            raise ExitConfigError(f"candidates {self.candidates} exceeds the model's "
+                                  f"vocabulary of {cfg.vocab_size} tokens")
 
     @property
     def enabled(self) -> bool:
@@ -121,6 +164,11 @@ class ExitConfig:
     @property
     def needs_vocab(self) -> bool:
         return self.measure in VOCAB_MEASURES
+
+    @property
+    def head_vocab(self) -> int | None:
+        """How many token ids an exit head scores (None: the model's whole vocabulary)."""
+        return self.vocab_subset or None
 
     @property
     def first_exit(self) -> int | None:
@@ -163,6 +211,14 @@ def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
     if ec.measure == "classifier":
         tree["classifier"] = {"w": jax.ShapeDtypeStruct((E, D), jnp.float32),
                               "b": jax.ShapeDtypeStruct((E,), jnp.float32)}
+    if ec.vocab_subset:
+        tree["vocab"] = jax.ShapeDtypeStruct((ec.vocab_subset,), jnp.int32)
+    if ec.measure == "candidates":
+        F, H, f32 = N_FEATURES, DECISION_HIDDEN, jnp.float32
+        tree["decision"] = {"w1": jax.ShapeDtypeStruct((E, F, H), f32),
+                            "b1": jax.ShapeDtypeStruct((E, H), f32),
+                            "w2": jax.ShapeDtypeStruct((E, H), f32),
+                            "b2": jax.ShapeDtypeStruct((E,), f32)}
     return tree
 
 
@@ -181,7 +237,61 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
     if ec.measure == "classifier":
         heads["classifier"] = {"w": jnp.zeros((E, D), jnp.float32),
                                "b": jnp.zeros((E,), jnp.float32)}
+    if ec.vocab_subset:  # placeholder ids; tuning puts the most frequent tokens here
+        heads["vocab"] = jnp.arange(ec.vocab_subset, dtype=jnp.int32)
+    if ec.measure == "candidates":  # "confidence 0.5" until trained
+        F, H = N_FEATURES, DECISION_HIDDEN
+        heads["decision"] = {
+            "w1": (jax.random.normal(jax.random.fold_in(key, 1), (E, F, H)) / np.sqrt(F)
+                   ).astype(jnp.float32),
+            "b1": jnp.zeros((E, H), jnp.float32), "w2": jnp.zeros((E, H), jnp.float32),
+            "b2": jnp.zeros((E,), jnp.float32)}
     return heads
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSubset:
+    """The token ids exit heads score, and the model they were counted on."""
+
+    ids: np.ndarray  # [K] int32, most frequent first
+    model: str  # the model's name (its tokenizer defines what the ids mean)
+    vocab_size: int
+
+
+def check_vocab_subset(ids, vocab_size: int) -> np.ndarray:
+    """[K] int32 ids, or ExitConfigError naming what is wrong (shape, duplicates, range)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ExitConfigError(f"a vocabulary subset is a non-empty 1-D list of token ids, got "
+                              f"shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ExitConfigError(f"vocabulary subset ids must be integers, got {arr.dtype}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ExitConfigError(f"vocabulary subset ids {bad[:5].tolist()} are outside [0, "
+                              f"{vocab_size}): the subset was made for another vocabulary")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != arr.size:
+        dup = uniq[counts > 1][:5].tolist()
+        raise ExitConfigError(f"vocabulary subset has duplicate ids {dup}: each id may "
+                              f"appear once")
+    return arr.astype(np.int32)
+
+
+def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
+                        model: str | None = None) -> dict:
+    """heads with `heads["vocab"]` set to the subset's ids, after checking that the subset
+    was counted on this model (same name when `model` is given, same vocabulary size)."""
+    if subset.vocab_size != cfg.vocab_size or (model is not None and subset.model != model):
+        raise ExitConfigError(
+            f"vocabulary subset was made for {subset.model!r} ({subset.vocab_size} tokens), "
+            f"but the heads are for {model or 'a model'!r} ({cfg.vocab_size} tokens): count "
+            f"the subset on this model's tokens")
+    ids = check_vocab_subset(subset.ids, cfg.vocab_size)
+    if "vocab" in heads and np.shape(heads["vocab"]) != ids.shape:
+        raise ExitConfigError(f"the heads score {np.shape(heads['vocab'])[0]} ids, the "
+                              f"subset holds {ids.size}: set ExitConfig.vocab_subset={ids.size}")
+    return dict(heads, vocab=jnp.asarray(ids))
 
 
 def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
@@ -217,19 +327,48 @@ def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return hn
 
 
+def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: ModelConfig
+                 ) -> jax.Array:
+    """The LM head's logits at token ids only: xn [..., D], ids [K] -> [..., K] f32 (equal to
+    `llama.unembed(...)[..., ids]`, at K x D multiply-adds instead of V x D)."""
+    w = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
+         else jnp.take(params["lm_head"], ids, axis=1).T)  # [K, D]
+    return jnp.matmul(xn, w.T, preferred_element_type=jnp.float32)
+
+
+def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., K] logits at ids -> [..., V] with MASKED everywhere else."""
+    full = jnp.full((*sub.shape[:-1], vocab_size), MASKED, jnp.float32)
+    return full.at[..., ids].set(sub.astype(jnp.float32))
+
+
 def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfig):
-    """Logits [..., V] (f32) of exit `slot` for hidden states h [..., D]."""
-    return llama.unembed(params, exit_hidden(heads, slot, h, cfg), cfg)
+    """Logits [..., V] (f32) of exit `slot` for hidden states h [..., D]; with a vocabulary
+    subset only its ids are scored (the rest are MASKED)."""
+    hn = exit_hidden(heads, slot, h, cfg)
+    if "vocab" in heads:
+        return scatter_vocab(unembed_rows(params, hn, heads["vocab"], cfg), heads["vocab"],
+                             cfg.vocab_size)
+    return llama.unembed(params, hn, cfg)
 
 
 def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
                     cfg: ModelConfig) -> jax.Array:
     """Logits [B, V] (f32) with a head per row: row b's exit `slots[b]`, or the final head
     where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
-    own head weights); the vocabulary projection is one matmul shared by all rows."""
+    own head weights); the vocabulary projection is one matmul shared by all rows. With a
+    vocabulary subset the exit rows get MASKED logits outside it, and each projection runs
+    only when some row needs it (all rows left: no full-vocabulary matmul)."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
     final = llama.norm(h, params["final_norm"], cfg)
-    return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
+    if "vocab" not in heads:
+        return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
+    ids, left = heads["vocab"], slots >= 0  # [K], [B]
+    sub = jax.lax.cond(jnp.any(left), lambda: unembed_rows(params, hn, ids, cfg),
+                       lambda: jnp.zeros((h.shape[0], ids.shape[0]), jnp.float32))
+    full = jax.lax.cond(jnp.any(~left), lambda: llama.unembed(params, final, cfg),
+                        lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
+    return jnp.where(left[:, None], scatter_vocab(sub, ids, cfg.vocab_size), full)
 
 
 def confidence_from_logits(logits: jax.Array, measure: str) -> jax.Array:
@@ -271,15 +410,82 @@ class CheckState:
     """What an exit check carries from one check to the next within a step (per row).
 
     Measures that look back (saturation; candidate features) keep their memory here, so the
-    decode step carries one opaque pytree whatever the measure."""
+    decode step carries one opaque pytree whatever the measure. The step must call
+    `check_confidence` at every exit layer in order (slot 0 first), as the layer-wise
+    evaluation does: measure "candidates" picks its candidates at slot 0."""
 
     h_prev: jax.Array  # [..., D] hidden state at the previous exit check
+    cand: jax.Array  # [..., k] int32 candidate token ids (measure "candidates")
+    cand_logit: jax.Array  # [..., k] f32 their logits at the previous check
+    p0: jax.Array  # [...] f32 the first check's top-1 probability over the head's vocabulary
 
 
 def init_check_state(h0: jax.Array, ec: ExitConfig) -> CheckState:
     """The state before the first check; h0 [..., D] is the embedding (layer 0's input)."""
-    del ec
-    return CheckState(h_prev=h0)
+    lead = h0.shape[:-1]
+    return CheckState(h_prev=h0, cand=jnp.zeros((*lead, ec.candidates), jnp.int32),
+                      cand_logit=jnp.zeros((*lead, ec.candidates), jnp.float32),
+                      p0=jnp.zeros(lead, jnp.float32))
+
+
+def _score_candidates(params: llama.Params, hn: jax.Array, cand: jax.Array, cfg: ModelConfig
+                      ) -> jax.Array:
+    """Logits of each row's own candidates: hn [..., D], cand [..., k] -> [..., k] f32."""
+    w = (jnp.take(params["embed"], cand, axis=0) if cfg.tie_embeddings
+         else jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1))  # [..., k, D]
+    return jnp.einsum("...d,...kd->...k", hn, w, preferred_element_type=jnp.float32)
+
+
+def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,
+                       cfg: ModelConfig, ec: ExitConfig) -> tuple[jax.Array, CheckState]:
+    """(features [..., N_FEATURES] f32, next state) of exit `slot` for h [..., D].
+
+    At slot 0 the exit head scores its whole vocabulary (subset) once and its top-k become the
+    candidates; later slots score only those k rows of the LM head. Features: the candidates'
+    softmax top-1, top-1 - top-2, 1 - normalised entropy, top logit / 10, change of the top-1
+    probability since the previous check, whether the top candidate is unchanged, this check's
+    probability of the previous check's top candidate, cosine to the previous check's hidden
+    state, the first check's exact top-1 probability."""
+    k = ec.candidates
+    hn = exit_hidden(heads, slot, h, cfg)
+
+    def first():
+        if "vocab" in heads:
+            z = unembed_rows(params, hn, heads["vocab"], cfg)
+            top, idx = jax.lax.top_k(z, k)
+            cand = jnp.take(heads["vocab"], idx)
+        else:
+            z = llama.unembed(params, hn, cfg)
+            top, cand = jax.lax.top_k(z, k)
+        p0 = jnp.exp(top[..., 0] - jax.nn.logsumexp(z, axis=-1))
+        return cand.astype(jnp.int32), top, p0
+
+    def later():
+        return state.cand, _score_candidates(params, hn, state.cand, cfg), state.p0
+
+    if isinstance(slot, int):
+        cand, z, p0 = first() if slot == 0 else later()
+    else:
+        cand, z, p0 = jax.lax.cond(slot == 0, first, later)
+    pc = jax.nn.softmax(z, axis=-1)  # [..., k]
+    top2 = jax.lax.top_k(pc, 2)[0]
+    ent = -jnp.sum(pc * jnp.log(pc + 1e-20), axis=-1) / np.log(k)
+    prev_pc = jax.nn.softmax(state.cand_logit, axis=-1)
+    prev_top = jnp.argmax(prev_pc, axis=-1)
+    top = jnp.argmax(pc, axis=-1)
+    feats = jnp.stack([
+        top2[..., 0], top2[..., 0] - top2[..., 1], 1.0 - ent, jnp.max(z, axis=-1) / 10.0,
+        top2[..., 0] - jnp.max(prev_pc, axis=-1), (top == prev_top).astype(jnp.float32),
+        jnp.take_along_axis(pc, prev_top[..., None], axis=-1)[..., 0],
+        saturation(h, state.h_prev), p0], axis=-1).astype(jnp.float32)
+    return feats, CheckState(h_prev=h, cand=cand, cand_logit=z, p0=p0.astype(jnp.float32))
+
+
+def decision_logit(heads, slot, feats: jax.Array) -> jax.Array:
+    """The exit's decision MLP before the sigmoid: feats [..., F] -> [...]."""
+    d = _slot(heads["decision"], slot)
+    hid = jnp.tanh(feats @ d["w1"] + d["b1"])
+    return hid @ d["w2"] + d["b2"]
 
 
 def check_confidence(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,
@@ -291,6 +497,9 @@ def check_confidence(params: llama.Params, heads, slot, h: jax.Array, state: Che
     The decode step, the layer-wise evaluation and the tests all call this, so a measure
     is written once."""
     logits = None
+    if ec.measure == "candidates":
+        feats, state = candidate_features(params, heads, slot, h, state, cfg, ec)
+        return jax.nn.sigmoid(decision_logit(heads, slot, feats)), None, state
     if ec.needs_vocab:
         logits = exit_logits(params, heads, slot, h, cfg)
         conf = confidence_from_logits(logits, ec.measure)
@@ -313,3 +522,71 @@ def batch_exits(confident: jax.Array, active: jax.Array, policy: str, quorum: fl
     n_active = jnp.sum(active)
     n_conf = jnp.sum(confident & active)
     return (n_conf >= quorum * n_active) | (n_active == 0)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def layer_macs(cfg: ModelConfig) -> int:
+    """Multiply-adds of one decoder layer's weights per token (attention over the context
+    is not counted: at short contexts it is small next to the projections)."""
+    D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return D * q + 2 * D * kv + q * D + 3 * D * cfg.ffn_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Per-token cost of early exit in layer-equivalents (multiply-adds / `layer_macs`).
+
+    A token leaving at exit e costs e layers + every check at exits <= e + the exit head; at
+    full depth L layers + every check + the final head. `ideal_speedup` is the honest ideal:
+    (L + final head) / mean cost."""
+
+    n_layers: int
+    exit_layers: tuple[int, ...]
+    final_head: float  # final norm + LM head over the whole vocabulary
+    exit_head: float  # exit norm/adapter + LM head over the exit vocabulary, at the exit taken
+    checks: tuple[float, ...]  # cost of the check at each exit slot
+
+    def token_cost(self, exit_layer: int) -> float:
+        done = sum(c for e, c in zip(self.exit_layers, self.checks, strict=True)
+                   if e <= exit_layer)
+        head = self.final_head if exit_layer >= self.n_layers else self.exit_head
+        return exit_layer + done + head
+
+    def mean_cost(self, exit_counts) -> float:
+        """exit_counts: {exit layer (n_layers = full depth): tokens}."""
+        n = sum(exit_counts.values())
+        if not n:
+            return self.token_cost(self.n_layers)
+        return sum(self.token_cost(int(e)) * c for e, c in exit_counts.items()) / n
+
+    def ideal_speedup(self, exit_counts) -> float:
+        return (self.n_layers + self.final_head) / self.mean_cost(exit_counts)
+
+
+def cost_model(cfg: ModelConfig, ec: ExitConfig) -> CostModel:
+    """The cost model of these exits on this model (pure arithmetic on the shapes)."""
+    D, lay = cfg.d_model, float(layer_macs(cfg))
+    vocab = ec.vocab_subset or cfg.vocab_size
+    hidden = D + (2 * D * ec.adapter_rank if ec.head in ("adapter", "mlp") else 0)
+    if ec.measure in VOCAB_MEASURES:
+        check = first = hidden + vocab * D + 2 * vocab
+    elif ec.measure == "candidates":
+        tail = N_FEATURES * DECISION_HIDDEN + DECISION_HIDDEN + 4 * ec.candidates
+        first = hidden + vocab * D + tail
+        check = hidden + ec.candidates * D + tail
+    else:  # saturation, classifier: one D-wide dot product (plus a norm)
+        check = first = 2 * D
+    checks = tuple((first if i == 0 else check) / lay for i in range(len(ec.exit_layers)))
+    if not ec.enabled:
+        checks = tuple(0.0 for _ in ec.exit_layers)
+    return CostModel(cfg.n_layers, ec.exit_layers, (D + cfg.vocab_size * D) / lay,
+                     (hidden + vocab * D) / lay, checks)
+
+
+def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts) -> float:
+    """(L + final head) / mean per-token cost, all in layer-equivalents, for tokens leaving
+    per `exit_counts` {exit layer (L = full depth): count}. What `EngineStats` should report
+    next to the measured speed-up (the plain L / mean layers leaves the heads out)."""
+    return cost_model(cfg, ec).ideal_speedup(exit_counts)

@@ -8,8 +8,9 @@ distribution is a good teacher):
   which the model answers itself (`ee_jax.training.generate`), giving chat-formatted text in
   the model's own words, the distribution it will serve.
 
-Both are split deterministically by a hash of the item, so "eval" items are never trained on.
-HumanEval is an evaluation set only and is never read here.
+Both are split deterministically by a hash of the item into "train" (80%), "calib" (10%,
+held apart for choosing exit thresholds) and "eval" (10%), so "eval" and "calib" items are
+never trained on. HumanEval is an evaluation set only and is never read here.
 """
 
 from __future__ import annotations
@@ -23,20 +24,25 @@ from pathlib import Path
 
 import numpy as np
 
-Split = str  # "train" | "eval"
+Split = str  # "train" | "calib" | "eval"
+SPLITS = ("train", "calib", "eval")
 EVAL_PERCENT = 10
+CALIB_PERCENT = 10  # the next 10% of hashes: threshold calibration, never trained on
 # Folders of the standard library that are tests, vendored data or platform tools.
 _SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "idlelib",
                "turtledemo", "__pycache__", "ensurepip", "pydoc_data", "encodings"}
 
 
 def _split_of(key: str) -> Split:
-    return "eval" if zlib.crc32(key.encode()) % 100 < EVAL_PERCENT else "train"
+    bucket = zlib.crc32(key.encode()) % 100
+    if bucket < EVAL_PERCENT:
+        return "eval"
+    return "calib" if bucket < EVAL_PERCENT + CALIB_PERCENT else "train"
 
 
 def _check_split(split: Split) -> None:
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
 def stdlib_dir() -> Path:
@@ -145,11 +151,17 @@ def _held_out(train: list[str], held: list[str]) -> list[str]:
 
 def _select(split: Split, pairs: list[tuple[str, str]], limit: int | None, seed: int
             ) -> list[str]:
-    """pairs: (key, text); split by key, eval made disjoint from train, shuffled by seed."""
-    by = {"train": [], "eval": []}
+    """pairs: (key, text); split by key, eval and calib made disjoint from train and from each
+    other (eval is exactly the set it was before calib existed), shuffled by seed."""
+    by: dict[str, list[str]] = {s: [] for s in SPLITS}
     for key, text in pairs:
         by[_split_of(key)].append(text)
-    items = by["train"] if split == "train" else _held_out(by["train"], by["eval"])
+    if split == "train":
+        items = by["train"]
+    elif split == "calib":
+        items = _held_out(by["train"] + by["eval"], by["calib"])
+    else:
+        items = _held_out(by["train"] + by["calib"], by["eval"])
     order = np.random.default_rng(seed).permutation(len(items))
     return [items[i] for i in order[:limit]]
 

@@ -70,3 +70,42 @@ def exit_losses(heads, params: llama.Params, tokens: jax.Array, cfg: ModelConfig
     if "bce" in m:
         loss = loss + w.classifier * m["bce"].sum()
     return loss, m
+
+
+# --------------------------------------------------------------------------- restricted vocab
+
+
+def restricted_kl(teacher: jax.Array, student: jax.Array, valid: jax.Array) -> jax.Array:
+    """KL(p_teacher || p_student) with both distributions renormalised over the valid ids of
+    a restricted vocabulary: teacher, student [..., S] logits at the same ids, valid [S].
+    With every id of the vocabulary valid it is the full KL."""
+    t = jax.nn.log_softmax(jnp.where(valid, teacher, exits.MASKED), axis=-1)
+    s = jax.nn.log_softmax(jnp.where(valid, student, exits.MASKED), axis=-1)
+    return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
+
+
+def restricted_exit_losses(heads, params: llama.Params, hs: jax.Array, final_normed: jax.Array,
+                           vocab_ids: jax.Array, valid: jax.Array, target_pos: jax.Array,
+                           cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
+    """(scalar loss, metrics {name: [E]}) from cached frozen-backbone states: hs [E, B, T, D]
+    (hidden state at each exit), final_normed [B, T, D] (the final norm's output), over the
+    restricted vocabulary vocab_ids [S] (valid [S]; the teacher's top-k at every position
+    united with the real next tokens); target_pos [B, T-1] indexes each next token in
+    vocab_ids. Logits cost S x D per position instead of V x D."""
+    teacher = exits.unembed_rows(params, final_normed, vocab_ids, cfg)  # [B, T, S]
+    t_top = jnp.argmax(jnp.where(valid, teacher, exits.MASKED), axis=-1)
+
+    def body(_, xs):
+        head, h = xs
+        one = jax.tree.map(lambda a: a[None], head)
+        hn = exits.exit_hidden(one, 0, h.astype(final_normed.dtype), cfg)
+        student = exits.unembed_rows(params, hn, vocab_ids, cfg)  # [B, T, S]
+        kl = restricted_kl(teacher, student, valid)
+        logp = jax.nn.log_softmax(jnp.where(valid, student, exits.MASKED), axis=-1)
+        ce = -jnp.take_along_axis(logp[:, :-1], target_pos[..., None], axis=-1)[..., 0]
+        agree = (jnp.argmax(logp, axis=-1) == t_top).astype(jnp.float32)
+        return None, {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
+
+    trainable = {k: v for k, v in heads.items() if k in ("norm", "adapter", "mlp")}
+    _, m = jax.lax.scan(jax.checkpoint(body), None, (trainable, hs))
+    return w.kl * m["kl"].sum() + w.ce * m["ce"].sum(), m

@@ -3,6 +3,11 @@ heads saved with their ExitConfig (`ee_jax.models.exit_checkpoint`).
 
     ee-jax tune --config configs/tune-smollm2-135m.yaml
 
+Two methods: "full" (the backbone runs inside every step, KL over the whole vocabulary) and
+"cached" (issue #12: the backbone runs once and its exit states are cached, KL over a
+restricted vocabulary per batch, then a vocabulary subset, per-exit decision MLPs and a
+threshold calibrated on a held-apart split; `ee_jax.training.cached`).
+
 The backbone's params are an argument of the jitted step, never a closure constant, and
 never differentiated: after tuning they are bit-identical to what was loaded.
 """
@@ -66,6 +71,18 @@ class TuneConfig:
     classifier_weight: float = 1.0
     remat: bool = False  # recompute each exit's logits in the backward pass (less memory)
     seed: int = 0
+    # method "cached" (issue #12)
+    method: str = "full"  # "full" | "cached"
+    vocab_subset: int = 0  # K: exit heads score the K most frequent ids (0: all)
+    candidates: int = 8  # measure "candidates": tokens later checks score
+    kl_vocab: int = 4096  # restricted vocabulary per batch (real next tokens + teacher top-k)
+    teacher_topk: int = 16
+    calib_instructions: int = 0  # held-apart ("calib" split) instructions the model answers
+    calib_code_prompts: int = 0
+    target_agreement: float = 0.95
+    calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
+    decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
+    decision_steps: int = 400
     # output
     work_dir: str = "runs/tune-smollm2-135m"
     output: str = "runs/tune-smollm2-135m/exit_heads"
@@ -79,6 +96,17 @@ class TuneConfig:
                 raise TuneConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TuneConfigError(f"lr must be positive, got {self.lr}")
+        if self.method not in ("full", "cached"):
+            raise TuneConfigError(f"method must be 'full' or 'cached', got {self.method!r}")
+        if self.method == "cached" and self.measure == "classifier":
+            raise TuneConfigError("method 'cached' trains decision MLPs (measure "
+                                  "'candidates') or none (a vocabulary measure); the "
+                                  "classifier needs method 'full'")
+        if self.method == "full" and (self.vocab_subset or self.measure == "candidates"):
+            raise TuneConfigError("vocab_subset and measure 'candidates' need method 'cached'")
+        if not 0.0 < self.target_agreement <= 1.0:
+            raise TuneConfigError(f"target_agreement must be in (0, 1], got "
+                                  f"{self.target_agreement}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
@@ -101,14 +129,17 @@ class TuneConfig:
         return exits.ExitConfig(exit_layers=self.exit_layers, head=self.head,
                                 measure=self.measure, threshold=self.threshold,
                                 min_exit_layer=self.min_exit_layer,
-                                adapter_rank=self.adapter_rank)
+                                adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
+                                candidates=self.candidates,
+                                target_agreement=self.target_agreement)
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)
 
     def data_key(self) -> str:
         keys = ("model", "seq_len", "chat_instructions", "code_prompts", "gen_max_tokens",
-                "stdlib_tokens", "eval_sequences", "seed")
+                "stdlib_tokens", "eval_sequences", "seed", "calib_instructions",
+                "calib_code_prompts")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -187,10 +218,20 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
     rng = np.random.default_rng(tc.seed)
     train = train[rng.permutation(len(train))]
     held = data.pack(stdlib_ids("eval"), tc.seq_len, sep, tc.eval_sequences)
+    calib = np.zeros((0, tc.seq_len), np.int32)
+    if tc.calib_instructions or tc.calib_code_prompts:
+        citems = ([("chat", s) for s in data.instructions("calib", tc.calib_instructions,
+                                                           tc.seed)]
+                  + [("code", s) for s in data.code_prompts("calib", tc.calib_code_prompts,
+                                                            tc.seed)])
+        cgen = self_generate(model, citems, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
+                             cache=work / "selfgen.jsonl", progress=progress)
+        calib = data.pack(cgen, tc.seq_len, sep)
     work.mkdir(parents=True, exist_ok=True)
-    np.savez(cached, train=train, eval=held)
+    np.savez(cached, train=train, eval=held, calib=calib)
     _log(f"data: {len(own)} self-generated + {0 if std is None else len(std)} stdlib rows of "
-         f"{tc.seq_len} tokens; {len(held)} held-out rows -> {cached}")
+         f"{tc.seq_len} tokens; {len(held)} held-out rows; {len(calib)} calibration rows "
+         f"-> {cached}")
     return train, held
 
 
@@ -231,8 +272,8 @@ class TuneResult:
 
 
 def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
-         held_out: np.ndarray | None = None, progress: bool = True,
-         save: bool = True) -> TuneResult:
+         held_out: np.ndarray | None = None, calib: np.ndarray | None = None,
+         progress: bool = True, save: bool = True) -> TuneResult:
     """Run (or resume) a tuning run. `model` (a LoadedModel) and the data arrays may be
     given directly (tests); otherwise they come from `tc`."""
     import orbax.checkpoint as ocp
@@ -244,6 +285,9 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
     t_start = time.perf_counter()
     if model is None:
         model = load_model(tc.model, dtype="float32", progress=progress)
+    if tc.method == "cached":
+        return tune_cached(tc, model, train=train, held_out=held_out, calib=calib,
+                           progress=progress, save=save, t_start=t_start)
     cfg, params = model.config, model.params
     ec = tc.exit_config()
     ec.validate_for(cfg)
@@ -331,3 +375,100 @@ def evaluate_heads(cfg, ec, w, params, heads, rows: np.ndarray | None,
         for k, v in m.items():
             acc.setdefault(k, []).append(np.asarray(v))
     return {k: np.mean(v, axis=0).tolist() for k, v in acc.items()}
+
+
+def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np.ndarray | None,
+                calib: np.ndarray | None, progress: bool, save: bool, t_start: float
+                ) -> TuneResult:
+    """Method "cached" (issue #12; `ee_jax.training.cached`): backbone once, heads on the
+    cache with restricted-vocabulary KL, then vocabulary subset, decision MLPs and the
+    calibrated threshold. No mid-run checkpoints: the cache makes a run short."""
+    from ee_jax.models.exit_checkpoint import save_exit_heads
+    from ee_jax.training import cached as C
+    from ee_jax.training import calibrate
+
+    cfg, params = model.config, model.params
+    ec = tc.exit_config()
+    ec.validate_for(cfg)
+    if train is None:
+        train, held_out = build_data(tc, model, progress)
+        calib = np.load(Path(tc.work_dir) / f"data-{tc.data_key()}.npz")["calib"]
+    if len(train) < tc.batch_size:
+        raise TuneConfigError(f"only {len(train)} training rows for batch_size "
+                              f"{tc.batch_size}: add data or lower batch_size")
+    marks = {}
+    t0 = time.perf_counter()
+    cache = C.cache_states(cfg, params, train, ec.exit_layers, tc.teacher_topk,
+                           progress=progress)
+    marks["cache_s"] = time.perf_counter() - t0
+    _log(f"cached {train.size} tokens at {len(ec.exit_layers)} exits in "
+         f"{marks['cache_s']:.0f}s")
+    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    fill = C.vocab_subset(train, cache["top"][..., 0], cfg.vocab_size, cfg.vocab_size)
+    if ec.vocab_subset:
+        ids = fill[:ec.vocab_subset]
+        heads = exits.attach_vocab_subset(
+            heads, exits.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
+        if held_out is not None and len(held_out):
+            marks["subset_coverage_held_out"] = C.coverage(ids, held_out)
+        if calib is not None and len(calib):
+            marks["subset_coverage_calib"] = C.coverage(ids, calib)
+        _log(f"vocabulary subset of {len(ids)} ids: coverage {marks}")
+    steps = (len(train) // tc.batch_size) * tc.epochs
+    opt = make_optimizer(tc, steps)
+    t0 = time.perf_counter()
+    heads, history = C.train_heads(cfg, ec, tc.loss_weights(), params, heads, cache, opt,
+                                   batch=tc.batch_size, epochs=tc.epochs,
+                                   kl_vocab=min(tc.kl_vocab, cfg.vocab_size), seed=tc.seed,
+                                   fill=fill, rows=train, progress=progress)
+    marks["train_s"] = time.perf_counter() - t0
+    if save:
+        work = Path(tc.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        with (work / "loss.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
+    calibration = None
+    if ec.measure == "candidates":
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(tc.seed)
+        flat = rng.permutation(train.size)[:tc.decision_tokens]
+        r, t = np.divmod(flat, train.shape[1])
+        feats, agree = C.decision_data(cfg, ec, params, heads, cache["hs"][r, :, t],
+                                       train[r, t], cache["top"][r, t, 0], progress=progress)
+        del cache
+        heads, bce = C.fit_decisions(heads, feats, agree, steps=tc.decision_steps,
+                                     seed=tc.seed)
+        marks["decision_s"] = time.perf_counter() - t0
+        _log("decision MLPs: BCE per exit " + " ".join(f"{b:.3f}" for b in bce)
+             + "; agreement per exit " + " ".join(f"{a:.3f}" for a in agree.mean(1)))
+        if calib is not None and len(calib):
+            ccache = C.cache_states(cfg, params, calib, ec.exit_layers, 1, progress=progress)
+            n = calib.size
+            hs = ccache["hs"].transpose(0, 2, 1, 3).reshape(n, len(ec.exit_layers), -1)
+            cf, ca = C.decision_data(cfg, ec, params, heads, hs, calib.reshape(-1),
+                                     ccache["top"][..., 0].reshape(-1), progress=progress)
+            table = calibrate.calibration_table(C.confidences(heads, cf), ca, ec.exit_layers,
+                                                cfg.n_layers,
+                                                min_exit_layer=ec.min_exit_layer)
+            thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
+            calibration = {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
+                           "threshold": thr, "calib_agreement_per_exit":
+                           ca.mean(1).round(4).tolist(), **table.to_json()}
+            ec = dataclasses.replace(ec, threshold=thr)
+            i = table.thresholds.index(thr) if thr in table.thresholds else None
+            _log(f"calibrated threshold {thr} for TF agreement >= {tc.target_agreement} with "
+                 f"probability >= {1 - tc.calib_delta} on {n} calibration tokens"
+                 + ("" if i is None else f": {table.errors[i]} errors, mean layers "
+                    f"{table.mean_layers[i]:.2f}"))
+    out = None
+    if save:
+        extra = {"calibration": calibration, "timings_s": marks}
+        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration)
+        (Path(tc.output) / "tune_config.json").write_text(
+            json.dumps(dict(dataclasses.asdict(tc), run=extra), indent=2) + "\n")
+        _log(f"exit heads -> {out}")
+    secs = time.perf_counter() - t_start
+    _log(f"done in {secs / 60:.1f} min ({ {k: round(v, 3) for k, v in marks.items()} })")
+    last = history[-min(10, len(history)):]
+    metrics = {"agree": np.mean([h["agree"] for h in last], axis=0).tolist()} if last else {}
+    return TuneResult(heads, ec, len(history), history, metrics, out, secs)

@@ -1,0 +1,181 @@
+"""Teacher-forced (TF) evaluation of exit heads on the model's own full-depth answers, with
+the heads' and checks' costs counted (issue #12).
+
+    python -m ee_jax.evaluation.teacher_forced --heads runs/tune-smollm2-135m-v2/exit_heads \
+        --out docs/eval/issue12
+
+Workloads: held-out instructions ("eval" split), HumanEval prompts (code completion), and
+`prompts.GENERAL_CHAT` (everyday chat the tuning never touches). The model answers each at
+full depth (greedy, cached as JSON lines); then every answer position is scored as served:
+the exit taken by the decision rule at a threshold, its token against full depth's (TF
+agreement), its executed layers, and the ideal speed-up (L + head) / (layers + checks + head)
+from `exits.cost_model`. Prompt positions do not count (they are not served tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ee_jax.evaluation import prompts as P
+from ee_jax.evaluation.layerwise import ExitPredictions, exit_predictions
+from ee_jax.evaluation.simulate import simulate_exits
+from ee_jax.models import exits
+
+SKETCH = {21: 0.67, 24: 0.79, 27: 0.84}  # per-exit agreement of the planning sketch
+
+
+def _log(msg: str) -> None:
+    print(f"[tf-eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def workload_items(n_instructions: int, n_humaneval: int) -> dict[str, list[tuple[str, str]]]:
+    return {"held-out instructions": [("chat", s) for s in
+                                      P.held_out_instructions(n_instructions)],
+            "HumanEval": [("code", p["prompt"]) for p in P.humaneval_problems(n_humaneval)],
+            "general chat (never tuned on)": [("chat", s) for s in P.GENERAL_CHAT]}
+
+
+def answers(model, items: list[tuple[str, str]], cache: Path, max_tokens: int
+            ) -> tuple[list[list[int]], list[int]]:
+    """(prompt + full-depth answer ids, index of the first position predicting the answer)."""
+    from ee_jax.training.selfgen import self_generate
+
+    seqs = self_generate(model, items, max_tokens=max_tokens, batch=48, cache=cache)
+    tok = model.tokenizer
+    starts = []
+    for (kind, text), ids in zip(items, seqs, strict=True):
+        prompt = (P.chat_prompts(tok, [text])[0] if kind == "chat" else list(tok.encode(text)))
+        n = len(prompt) if ids[:len(prompt)] == prompt else 1
+        starts.append(max(n - 1, 0))
+    return seqs, starts
+
+
+def oracle_counts(pred: ExitPredictions) -> dict[int, int]:
+    """Exit histogram of the oracle: each token at its first exit agreeing with full depth."""
+    any_ok = pred.agree.any(axis=0)
+    first = pred.agree.argmax(axis=0)
+    layers = np.where(any_ok, np.asarray(pred.exit_layers)[first], pred.n_layers)
+    v, c = np.unique(layers, return_counts=True)
+    return {int(a): int(b) for a, b in zip(v, c, strict=True)}
+
+
+def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
+                   cache: Path, max_tokens: int = 96, seq_len: int = 256) -> dict:
+    """variants {name: (ExitConfig, heads)}; thresholds {name: [thresholds]}."""
+    cfg, params = model.config, model.params
+    out: dict = {"workloads": {}}
+    for wname, items in workloads.items():
+        seqs, starts = answers(model, items, cache, max_tokens)
+        n_tok = sum(len(s) - k for s, k in zip(seqs, starts, strict=True))
+        _log(f"{wname}: {len(seqs)} answers, {n_tok} scored positions")
+        preds = exit_predictions(cfg, params, seqs, variants, seq_len=seq_len, rows=2,
+                                 progress=False, desc=wname, score_from=starts)
+        res: dict = {"prompts": len(seqs), "scored_tokens": int(n_tok), "variants": {}}
+        answer_tokens = np.concatenate([np.asarray(s[k + 1:]) for s, k in
+                                        zip(seqs, starts, strict=True)])
+        for vname, pred in preds.items():
+            ec, heads = variants[vname]
+            cost = exits.cost_model(cfg, ec)
+            sims = simulate_exits(pred, thresholds[vname], cost=cost)
+            oracle = oracle_counts(pred)
+            v: dict = {
+                "per_exit_agreement": dict(zip(map(int, pred.exit_layers),
+                                               pred.agreement().round(4).tolist(),
+                                               strict=True)),
+                "oracle_mean_layers": float(sum(k * c for k, c in oracle.items())
+                                            / max(1, pred.num_tokens)),
+                "oracle_ideal_with_head": cost.ideal_speedup(oracle),
+                "simulated": [dataclasses.asdict(s) for s in sims]}
+            if "vocab" in heads:
+                v["subset_coverage_of_answers"] = float(
+                    np.isin(answer_tokens, np.asarray(heads["vocab"])).mean())
+            res["variants"][vname] = v
+            for s in sims:
+                _log(f"  {vname} @ {s.threshold}: TF {s.agreement:.3f}, layers "
+                     f"{s.mean_layers:.2f}, ideal {s.ideal_speedup:.3f}x, with head "
+                     f"{s.ideal_with_head:.3f}x")
+        out["workloads"][wname] = res
+    return out
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"# Teacher-forced exits on the model's own answers ({res['date']})", "",
+             f"Command: `{res['command']}`", "",
+             "TF agreement: share of answer tokens whose exit token equals full depth's, "
+             "context always the full-depth answer. Ideal with head: (L + final head) / "
+             "(layers + checks + exit head), in layer-equivalents (`exits.cost_model`).", ""]
+    for wname, w in res["workloads"].items():
+        lines += [f"## {wname} ({w['prompts']} prompts, {w['scored_tokens']} answer tokens)",
+                  "", "| heads | threshold | TF agreement | mean layers | ideal L/layers | "
+                  "ideal with head | exit histogram (layer:tokens) |",
+                  "|---|---|---|---|---|---|---|"]
+        for vname, v in w["variants"].items():
+            for s in v["simulated"]:
+                hist = " ".join(f"{k}:{c}" for k, c in sorted(s["exit_counts"].items()))
+                lines.append(f"| {vname} | {s['threshold']:g} | {s['agreement']:.3f} | "
+                             f"{s['mean_layers']:.2f} | {s['ideal_speedup']:.3f}x | "
+                             f"{s['ideal_with_head']:.3f}x | {hist} |")
+        lines += ["", "| heads | per-exit agreement with full depth | oracle mean layers | "
+                  "oracle ideal with head | subset coverage |", "|---|---|---|---|---|"]
+        for vname, v in w["variants"].items():
+            ag = " ".join(f"{k}:{a:.2f}" for k, a in v["per_exit_agreement"].items())
+            cov = v.get("subset_coverage_of_answers")
+            lines.append(f"| {vname} | {ag} | {v['oracle_mean_layers']:.2f} | "
+                         f"{v['oracle_ideal_with_head']:.3f}x | "
+                         f"{'-' if cov is None else f'{cov:.3f}'} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", required=True, help="folder of the exit heads to evaluate")
+    ap.add_argument("--baseline", default="shipped",
+                    help="'shipped' (the model's shipped heads), a folder, or 'none'")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--instructions", type=int, default=48)
+    ap.add_argument("--humaneval", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--thresholds", type=float, nargs="*", default=None,
+                    help="thresholds for the new heads (default: calibrated, and nearby)")
+    ap.add_argument("--cache", default="runs/eval-v2/selfgen.jsonl")
+    ap.add_argument("--out", default="docs/eval/issue12")
+    a = ap.parse_args(argv)
+    from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.loading import load_model
+
+    model = load_model(a.model, dtype="float32", progress=False)
+    ec, heads = load_exit_heads(a.heads, model.config)
+    variants = {"new": (ec, heads)}
+    thr = a.thresholds or sorted({ec.threshold, *(t for t in (0.5, 0.6, 0.7, 0.8, 0.9)
+                                                  if t != ec.threshold)})
+    thresholds = {"new": [t for t in thr if np.isfinite(t)]}
+    if a.baseline != "none":
+        base = (model.shipped_exit_heads() if a.baseline == "shipped"
+                else load_exit_heads(a.baseline, model.config))
+        if base is not None:
+            variants["baseline"] = base
+            thresholds["baseline"] = [0.8, 0.9]
+    res = evaluate_heads(model, variants, workload_items(a.instructions, a.humaneval),
+                         thresholds, cache=Path(a.cache), max_tokens=a.max_tokens)
+    res.update(date=time.strftime("%Y-%m-%d %H:%M"), command="python -m "
+               "ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:]),
+               heads=str(a.heads), calibrated_threshold=ec.threshold,
+               target_agreement=ec.target_agreement)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "results.md").write_text(to_markdown(res))
+    _log(f"wrote {out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Exit thresholds with a stated guarantee: Learn-then-Test (arXiv 2110.01052; CALM, arXiv
+2207.07061) on a calibration split that tuning and evaluation never read.
+
+Risk of a threshold t: the fraction of calibration tokens that leave at an exit (their first
+exit whose confidence >= t) with a token different from full depth's, i.e. 1 - teacher-forced
+(TF) agreement. For a target agreement a (risk bound eps = 1 - a) and each t on a grid, test
+H_t: risk(t) > eps with the exact binomial p-value P(Binom(n, eps) <= errors(t)). Fixed-sequence
+testing from the most conservative t downwards rejects while p <= delta and stops at the first
+t it cannot reject; the lowest rejected t is the threshold. Then, with probability >= 1 - delta
+over the draw of the calibration tokens, the chosen threshold's risk is <= eps.
+
+Caveat stated with every result: the guarantee assumes calibration tokens are exchangeable with
+the tokens served; tokens of one sequence are correlated, and a served token's context is the
+model's own (possibly exited) output, not the teacher's. The evaluation measures TF agreement on
+held-out workloads to check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from scipy import stats
+
+from ee_jax.models import exits
+
+DEFAULT_GRID = tuple(np.round(np.arange(0.995, 0.0, -0.005), 3).tolist())  # safest first
+DEFAULT_DELTA = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationTable:
+    """Errors per candidate threshold on n calibration tokens; enough to pick a threshold for
+    any target agreement later (shipped with the heads as calibration.json)."""
+
+    thresholds: tuple[float, ...]  # safest (highest) first
+    errors: tuple[int, ...]  # tokens leaving with a token != full depth's, per threshold
+    exited: tuple[int, ...]  # tokens leaving early at all, per threshold
+    mean_layers: tuple[float, ...]  # mean executed layers per token, per threshold
+    n: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> CalibrationTable:
+        return cls(tuple(d["thresholds"]), tuple(d["errors"]), tuple(d["exited"]),
+                   tuple(d["mean_layers"]), int(d["n"]))
+
+
+def check_target(target_agreement: float, delta: float = DEFAULT_DELTA) -> None:
+    if not 0.0 < target_agreement <= 1.0:
+        raise exits.ExitConfigError(f"target agreement must be in (0, 1] (a fraction of "
+                                    f"tokens equal to full depth), got {target_agreement}")
+    if not 0.0 < delta < 1.0:
+        raise exits.ExitConfigError(f"delta (the allowed failure probability) must be in "
+                                    f"(0, 1), got {delta}")
+
+
+def first_exit(confidence: np.ndarray, threshold: float, eligible: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """confidence [E, N] -> (leaves [N] bool, slot [N] int) of each token's first exit with
+    confidence >= threshold (slot meaningless where it does not leave)."""
+    ok = confidence >= threshold
+    if eligible is not None:
+        ok &= eligible[:, None]
+    return ok.any(axis=0), ok.argmax(axis=0)
+
+
+def calibration_table(confidence: np.ndarray, agree: np.ndarray, exit_layers, n_layers: int,
+                      grid=DEFAULT_GRID, min_exit_layer: int = 1) -> CalibrationTable:
+    """confidence, agree: [E, N] per exit slot and calibration token."""
+    conf, ok = np.asarray(confidence), np.asarray(agree, bool)
+    if conf.shape != ok.shape or conf.ndim != 2 or conf.shape[0] != len(exit_layers):
+        raise ValueError(f"confidence {conf.shape} and agree {ok.shape} must both be "
+                         f"[{len(exit_layers)} exits, N tokens]")
+    layers = np.asarray(exit_layers)
+    eligible = layers >= min_exit_layer
+    n = conf.shape[1]
+    grid = tuple(sorted((float(t) for t in grid), reverse=True))
+    errors, exited, mean = [], [], []
+    for t in grid:
+        leaves, slot = first_exit(conf, t, eligible)
+        wrong = leaves & ~ok[slot, np.arange(n)]
+        errors.append(int(wrong.sum()))
+        exited.append(int(leaves.sum()))
+        mean.append(float(np.where(leaves, layers[slot], n_layers).mean()) if n else n_layers)
+    return CalibrationTable(grid, tuple(errors), tuple(exited), tuple(mean), n)
+
+
+def p_value(errors: int, n: int, eps: float) -> float:
+    """P(Binom(n, eps) <= errors): small when a risk above eps would rarely give so few
+    errors."""
+    if eps <= 0.0:
+        return 1.0
+    return float(stats.binom.cdf(errors, n, eps))
+
+
+def pick_threshold(table: CalibrationTable, target_agreement: float,
+                   delta: float = DEFAULT_DELTA) -> float:
+    """The lowest threshold fixed-sequence testing certifies (risk <= 1 - target with
+    probability >= 1 - delta); exits.NEVER when not even the safest one is certified."""
+    check_target(target_agreement, delta)
+    eps = 1.0 - target_agreement
+    chosen = exits.NEVER
+    for t, err in zip(table.thresholds, table.errors, strict=True):
+        if p_value(err, table.n, eps) > delta:
+            break
+        chosen = t
+    return chosen

@@ -1,0 +1,238 @@
+"""Issue #12: vocabulary-subset exit heads, exit decisions from candidate features, the
+calibrated threshold and the cost model, against independent truths (the dense reference
+`llama.forward`, numpy, scipy, closed forms)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from ee_jax.models import exits, llama
+from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.testing import tiny_config, tiny_model
+from ee_jax.training import calibrate
+
+CFG, PARAMS = tiny_model(seed=5)
+TIED_CFG, TIED_PARAMS = tiny_model(seed=6, tie_embeddings=True)
+SUBSET = np.array([7, 3, 100, 64, 5, 99, 12, 40, 41, 77, 2, 1], np.int32)
+
+
+def subset_heads(cfg, params, measure="candidates", k=4, seed=0):
+    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8, measure=measure,
+                          vocab_subset=len(SUBSET), candidates=k)
+    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(seed))
+    heads = exits.attach_vocab_subset(heads, exits.VocabSubset(SUBSET, "tiny", cfg.vocab_size),
+                                      cfg, "tiny")
+    key = jax.random.PRNGKey(seed + 1)
+    heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
+    if "decision" in heads:  # a decision MLP with some spread, so thresholds matter
+        heads["decision"]["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
+                                                    heads["decision"]["w2"].shape)
+    return ec, heads
+
+
+@pytest.mark.parametrize("cfg,params", [(CFG, PARAMS), (TIED_CFG, TIED_PARAMS)],
+                         ids=["untied", "tied"])
+def test_subset_logits_equal_the_full_head_at_the_subset_ids(cfg, params):
+    _, heads = subset_heads(cfg, params)
+    h = jax.random.normal(jax.random.PRNGKey(3), (5, cfg.d_model))
+    hn = exits.exit_hidden(heads, 1, h, cfg)
+    full = np.asarray(llama.unembed(params, hn, cfg))  # [5, V]
+    np.testing.assert_allclose(np.asarray(exits.unembed_rows(params, hn, jnp.asarray(SUBSET),
+                                                             cfg)), full[:, SUBSET],
+                               rtol=1e-6, atol=1e-6)
+    got = np.asarray(exits.exit_logits(params, heads, 1, h, cfg))
+    np.testing.assert_allclose(got[:, SUBSET], full[:, SUBSET], rtol=1e-6, atol=1e-6)
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), SUBSET)
+    assert (got[:, outside] == exits.MASKED).all()
+    # per-row heads: exit rows score the subset only, final rows the whole vocabulary
+    slots = jnp.asarray([1, -1, 0, -1, 2])
+    rows = np.asarray(exits.row_exit_logits(params, heads, slots, h, cfg))
+    final = np.asarray(llama.final_head(params, h, cfg))
+    for b, s in enumerate(np.asarray(slots)):
+        if s < 0:
+            np.testing.assert_allclose(rows[b], final[b], rtol=1e-6, atol=1e-6)
+        else:
+            want = np.asarray(exits.exit_logits(params, heads, int(s), h[b:b + 1], cfg))[0]
+            np.testing.assert_allclose(rows[b], want, rtol=1e-6, atol=1e-6)
+            assert int(np.argmax(rows[b])) in SUBSET
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ec"))
+def reference_decode(cfg, params, ec, heads, tokens, threshold):
+    """Teacher-forced per-position exits, written plainly: the dense reference's hidden states,
+    `check_confidence` at every exit in order, the first confident exit taken, that row's
+    logits from `row_exit_logits`. Returns (logits [T, V], exit slot [T] (-1: full depth))."""
+    _, hidden = llama.forward(params, tokens[None], cfg, return_hidden=True)
+    state = exits.init_check_state(llama.embed(params, tokens), ec)
+    slot = jnp.full(tokens.shape[0], -1)
+    h_exit = hidden[-1, 0]
+    for s, e in enumerate(ec.exit_layers):
+        conf, _, state = exits.check_confidence(params, heads, s, hidden[e - 1, 0], state, cfg,
+                                                ec)
+        leave = (conf >= threshold) & (slot < 0)
+        slot = jnp.where(leave, s, slot)
+        h_exit = jnp.where(leave[:, None], hidden[e - 1, 0], h_exit)
+    return exits.row_exit_logits(params, heads, slot, h_exit, cfg), slot
+
+
+@pytest.mark.parametrize("cfg,params", [(CFG, PARAMS), (TIED_CFG, TIED_PARAMS)],
+                         ids=["untied", "tied"])
+def test_candidate_decisions_emit_only_scored_tokens_and_never_is_full_depth(cfg, params):
+    ec, heads = subset_heads(cfg, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, 24), jnp.int32)
+    full = np.asarray(llama.forward(params, tokens[None], cfg))[0]
+    logits, slot = map(np.asarray, reference_decode(cfg, params, ec, heads, tokens,
+                                                    exits.NEVER))
+    assert (slot == -1).all()
+    np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(logits.argmax(-1), full.argmax(-1))
+    for thr in (0.0, 0.5):  # 0: every token leaves at the first exit
+        logits, slot = map(np.asarray, reference_decode(cfg, params, ec, heads, tokens, thr))
+        if thr == 0.0:
+            assert (slot == 0).all()
+        left = slot >= 0
+        assert left.any()
+        assert np.isin(logits[left].argmax(-1), SUBSET).all()
+        # sampling can only reach the subset too: the rest has probability exactly 0
+        p = np.asarray(jax.nn.softmax(jnp.asarray(logits[left]), axis=-1))
+        assert (p[:, np.setdiff1d(np.arange(cfg.vocab_size), SUBSET)] == 0).all()
+
+
+def test_candidate_features_follow_their_definition():
+    ec, heads = subset_heads(CFG, PARAMS, k=3)
+    h = jax.random.normal(jax.random.PRNGKey(9), (4, CFG.d_model))
+    h2 = jax.random.normal(jax.random.PRNGKey(10), (4, CFG.d_model))
+    st0 = exits.init_check_state(jnp.zeros_like(h), ec)
+    f0, st1 = exits.candidate_features(PARAMS, heads, 0, h, st0, CFG, ec)
+    sub = np.asarray(exits.exit_logits(PARAMS, heads, 0, h, CFG))[:, SUBSET]
+    want = SUBSET[np.argsort(-sub, axis=-1)[:, :3]]
+    np.testing.assert_array_equal(np.asarray(st1.cand), want)
+    p = np.exp(sub - sub.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(f0[:, 8]), p.max(-1), rtol=1e-5)  # exact top-1 prob
+    f1, st2 = exits.candidate_features(PARAMS, heads, 1, h2, st1, CFG, ec)
+    z = np.asarray(exits.exit_logits(PARAMS, heads, 1, h2, CFG))
+    zc = np.take_along_axis(z, want, axis=-1)
+    np.testing.assert_allclose(np.asarray(st2.cand_logit), zc, rtol=1e-5, atol=1e-5)
+    pc = np.exp(zc - zc.max(-1, keepdims=True))
+    pc /= pc.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(f1[:, 0]), pc.max(-1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(st2.cand), want)  # candidates persist
+
+
+def test_bad_subsets_targets_and_mismatched_models_are_clear_errors():
+    _, heads = subset_heads(CFG, PARAMS)
+    with pytest.raises(exits.ExitConfigError, match="duplicate"):
+        exits.check_vocab_subset([1, 2, 2], CFG.vocab_size)
+    with pytest.raises(exits.ExitConfigError, match="outside"):
+        exits.check_vocab_subset([1, CFG.vocab_size], CFG.vocab_size)
+    with pytest.raises(exits.ExitConfigError, match="outside"):
+        exits.check_vocab_subset([-1, 3], CFG.vocab_size)
+    with pytest.raises(exits.ExitConfigError, match="made for"):
+        exits.attach_vocab_subset(heads, exits.VocabSubset(SUBSET, "other", CFG.vocab_size),
+                                  CFG, "tiny")
+    with pytest.raises(exits.ExitConfigError, match="made for"):
+        exits.attach_vocab_subset(heads, exits.VocabSubset(SUBSET, "tiny", 50_000), CFG,
+                                  "tiny")
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(exits.ExitConfigError, match="target_agreement"):
+            exits.ExitConfig(exit_layers=(1,), target_agreement=bad)
+        with pytest.raises(exits.ExitConfigError, match="target agreement"):
+            calibrate.check_target(bad)
+    with pytest.raises(exits.ExitConfigError, match="vocab_subset"):
+        exits.ExitConfig(exit_layers=(1,), vocab_subset=CFG.vocab_size + 1).validate_for(CFG)
+
+
+def test_subset_heads_round_trip_and_pick_a_threshold_per_target(tmp_path):
+    ec, heads = subset_heads(CFG, PARAMS)
+    conf = np.linspace(0, 1, 300)[None].repeat(3, 0)
+    agree = conf > 0.3
+    table = calibrate.calibration_table(conf, agree, ec.exit_layers, CFG.n_layers)
+    save_exit_heads(tmp_path / "h", CFG, ec, heads, calibration=table.to_json())
+    ec2, back = load_exit_heads(tmp_path / "h", CFG)
+    np.testing.assert_array_equal(np.asarray(back["vocab"]), SUBSET)
+    assert ec2 == ec
+    ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.9)
+    assert ec3.threshold == calibrate.pick_threshold(table, 0.9)
+    assert ec3.target_agreement == 0.9
+    with pytest.raises(exits.ExitConfigError, match="target agreement"):
+        load_exit_heads(tmp_path / "h", CFG, target_agreement=1.5)
+    # a subset whose ids this model does not have: heads from another vocabulary
+    other = tiny_config(vocab_size=64)
+    with pytest.raises(exits.ExitConfigError):
+        load_exit_heads(tmp_path / "h", other)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bad=st.floats(0.05, 0.9), n_good=st.integers(20, 3000), bad_share=st.floats(0.15, 0.6),
+       target=st.sampled_from([0.9, 0.95, 0.99]), delta=st.sampled_from([0.05, 0.1, 0.2]))
+def test_learn_then_test_picks_the_threshold_the_guarantee_says(bad, n_good, bad_share,
+                                                                target, delta):
+    """Tokens whose exit is wrong all sit at confidence `bad`, a share far above 1 - target;
+    every other token is right. Any threshold above `bad` has no error, so it is certified
+    iff (1 - eps)^n <= delta (the binomial p-value of 0 errors); any threshold at or below
+    `bad` has ~bad_share errors and is never certified. So the answer is the lowest grid point
+    above `bad` when n is large enough, and no exit (NEVER) otherwise."""
+    n_bad = max(1, round(bad_share * n_good / (1 - bad_share)))
+    rng = np.random.default_rng(0)
+    conf = np.concatenate([np.full(n_bad, bad), rng.uniform(bad + 1e-3, 1.0, n_good)])
+    agree = np.concatenate([np.zeros(n_bad, bool), np.ones(n_good, bool)])
+    grid = tuple(np.round(np.arange(0.99, 0.0, -0.01), 2))
+    table = calibrate.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
+    n, eps = n_bad + n_good, 1 - target
+    got = calibrate.pick_threshold(table, target, delta)
+    if stats.binom.cdf(0, n, eps) <= delta and n_bad / n > 2 * eps + 3 / np.sqrt(n):
+        want = min(t for t in grid if t > bad)
+        assert got == want
+    elif stats.binom.cdf(0, n, eps) > delta:
+        assert got == exits.NEVER
+    # whatever it picked, its errors on the calibration set pass the test it states
+    if got != exits.NEVER:
+        i = table.thresholds.index(got)
+        assert stats.binom.cdf(table.errors[i], n, eps) <= delta
+
+
+def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
+    smol = tiny_config(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                       head_dim=64, ffn_dim=1536, tie_embeddings=True)
+    layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert exits.layer_macs(smol) == layer
+    head = (576 + 49152 * 576) / layer
+    never = exits.ExitConfig(exit_layers=(27,), policy="never")
+    cm = exits.cost_model(smol, never)
+    assert cm.final_head == pytest.approx(head)  # about 8 layers, as issue #12 says
+    assert 7.9 < head < 8.1
+    assert exits.ideal_speedup_with_head(smol, never, {30: 10}) == pytest.approx(1.0)
+    ec = exits.ExitConfig(exit_layers=(15, 20, 25), head="mlp", adapter_rank=128,
+                          measure="candidates", vocab_subset=8192, candidates=8)
+    cm = exits.cost_model(smol, ec)
+    hidden = 576 + 2 * 576 * 128
+    tail = exits.N_FEATURES * exits.DECISION_HIDDEN + exits.DECISION_HIDDEN + 4 * 8
+    first = (hidden + 8192 * 576 + tail) / layer
+    later = (hidden + 8 * 576 + tail) / layer
+    exit_head = (hidden + 8192 * 576) / layer
+    assert cm.token_cost(20) == pytest.approx(20 + first + later + exit_head)
+    assert cm.token_cost(30) == pytest.approx(30 + first + 2 * later + head)
+    counts = {15: 1, 20: 2, 30: 1}
+    mean = (cm.token_cost(15) + 2 * cm.token_cost(20) + cm.token_cost(30)) / 4
+    assert exits.ideal_speedup_with_head(smol, ec, counts) == pytest.approx((30 + head) / mean)
+    # with a full-vocabulary head checked at every exit, the plain L / mean layers overstates
+    full = exits.ExitConfig(exit_layers=(15, 20, 25), measure="max_prob")
+    assert exits.ideal_speedup_with_head(smol, full, counts) < 30 / ((15 + 40 + 30) / 4)
+
+
+def test_restricted_dataclass_state_is_a_pytree():
+    ec, _ = subset_heads(CFG, PARAMS)
+    st0 = exits.init_check_state(jnp.zeros((2, CFG.d_model)), ec)
+    leaves = jax.tree.leaves(st0)
+    assert len(leaves) == len(dataclasses.fields(st0))
+    assert st0.cand.shape == (2, ec.candidates)
