@@ -172,3 +172,69 @@ def test_teacher_forcing_feeds_given_tokens_and_reports_predictions(shared):
 def test_forced_tokens_outside_vocabulary_are_refused(shared):
     with pytest.raises(InvalidRequestError, match="forced_tokens"):
         shared.add_request("bad-forced", [5, 6], greedy(4, forced_tokens=(3, CFG.vocab_size)))
+
+
+# --------------------------------------------------------------------------- overlapped steps
+
+
+def _drive(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+           abort_at: dict[int, str]) -> dict[str, tuple[list[int], str | None, str]]:
+    """Step until done; requests arrive and are aborted at given step numbers."""
+    done: dict[str, tuple[list[int], str | None, str]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for rid, prompt, sp in arrivals.get(step, []):
+            engine.add_request(rid, prompt, sp)
+        if step in abort_at:
+            out = engine.abort_request(abort_at[step])
+            if out is not None:
+                done[out.request_id] = (out.token_ids, out.finish_reason, out.text)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason, out.text)
+        step += 1
+        assert step < 500
+    return done
+
+
+def test_overlapped_engine_equals_blocking_engine():
+    """Steps launched before the previous step's tokens are read give the same tokens, stop
+    at the same token (stop ids, length, max_model_len), survive aborts and preemption, and
+    leave no page behind — a long prompt arriving mid-run changes nothing for the others."""
+    rng = np.random.default_rng(7)
+    stop_tok = int(dense_greedy(CFG, PARAMS, PROMPTS[1], 4)[3])  # request 1 stops there
+    arrivals = {
+        0: [(f"r{i}", p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+            for i, p in enumerate(PROMPTS[:3])],
+        2: [("stop", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                stop_token_ids=(stop_tok,))),
+            ("hot", PROMPTS[4], SamplingParams(max_tokens=9, temperature=0.9, seed=5))],
+        5: [("long", rng.integers(3, CFG.vocab_size, 70).tolist(),
+             SamplingParams(max_tokens=6, temperature=0.0)),
+            ("abort-me", PROMPTS[5], SamplingParams(max_tokens=30, temperature=0.0))],
+        9: [("edge", PROMPTS[3], SamplingParams(max_tokens=200, temperature=0.0))],
+    }
+    results = {}
+    for mode in (False, True):
+        engine = make_engine(async_scheduling=mode, num_pages=60, max_model_len=96)
+        results[mode] = _drive(engine, arrivals, abort_at={8: "abort-me"})
+        assert engine.blocks.num_used_pages == 0
+        engine.blocks.check_invariants()
+        assert not engine.has_unfinished_requests()
+    assert results[True] == results[False]
+    got = results[True]
+    assert got["stop"][1] == "stop" and got["stop"][0][-1] == stop_tok
+    assert got["edge"][1] == "length" and len(PROMPTS[3]) + len(got["edge"][0]) == 96
+    assert got["abort-me"][1] == "abort"
+    assert got["r0"][0] == dense_greedy(CFG, PARAMS, PROMPTS[0], MAX_NEW)
+
+
+@pytest.mark.parametrize("kw", [dict(max_prefill_chunk=1), dict(max_prefill_chunk=1,
+                                                                  max_num_batched_tokens=1),
+                                dict(page_size=1, num_pages=400)])
+def test_extreme_knobs_work_at_full_depth(kw, reference):
+    """Prompt chunks of one token are prefill steps (full depth), never decode steps."""
+    engine = make_engine(**kw)
+    outs = run(engine, PROMPTS[:3], greedy(MAX_NEW))
+    assert [o.token_ids for o in outs] == reference[:3]
+    assert engine.blocks.num_used_pages == 0

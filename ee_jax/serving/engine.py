@@ -12,6 +12,7 @@ import itertools
 import math
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,20 @@ from ee_jax.serving.params import (
 )
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
 
+PENDING = -1  # a sampled token the host has not read yet (overlapped steps)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step: what was scheduled, its device result, and for each row the index
+    in the request's output of the token it samples (-1: none)."""
+
+    schedule: Schedule
+    result: Any
+    t0: float
+    compiles: bool
+    out_idx: list[int]
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -44,6 +59,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Launch step n+1 before reading step n's tokens (the host never waits for the device).
+    async_scheduling: bool = True
+    attention: str = "reference"  # attention backend (ee_jax.serving.attention)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -67,6 +85,7 @@ class EngineStats:
     num_compiles: int = 0
     num_decode_compiles: int = 0
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
+    host_time: float = 0.0  # seconds step() spent on the host, not waiting for the device
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
@@ -156,8 +175,12 @@ class LLMEngine:
         self.exit_config = exit_config
         self.runner = ModelRunner(cfg, params,
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype),
-                                  exit_config, exit_heads)
+                                  exit_config, exit_heads, attention=config.attention,
+                                  max_batch=max(config.batch_buckets))
         self.stats = EngineStats()
+        self._inflight: _Launched | None = None  # the launched step not yet read
+        self._waited = 0.0  # seconds this step() call waited for the device
+        self._last_ready = 0.0
         self._requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count(1)
         self._eos = set(cfg.eos_token_ids)
@@ -225,7 +248,7 @@ class LLMEngine:
         return self._output(seq, "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -234,10 +257,46 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output for every request that progressed."""
-        schedule = self.scheduler.schedule()
-        if schedule is None:
-            return []
+        """Schedule and launch one step; returns an output for every request that progressed.
+
+        With `async_scheduling` (the default) the host never waits for the device before
+        launching: step n+1 is scheduled and dispatched while step n runs (decode rows take
+        their input token from step n's device result), then step n's tokens are read and
+        processed, so outputs arrive one `step()` call later. Tokens are identical to the
+        blocking order (`async_scheduling=False`): sampling depends only on each request's
+        seed and token count. A request that finishes at step n may ride along in step n+1
+        as a row whose result is dropped.
+        """
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        schedule = self.scheduler.schedule() if self.scheduler.has_schedulable() else None
+        if schedule is not None and self._inflight is not None \
+                and self._needs_host_tokens(schedule):
+            outputs += self._finish(self._inflight)  # e.g. a preempted request's recompute
+            self._inflight = None
+        launched = self._launch(schedule) if schedule is not None else None
+        if self._inflight is not None:
+            outputs += self._finish(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._finish(launched)
+            self._inflight = None
+        self.stats.host_time += time.perf_counter() - t0 - self._waited
+        self._waited = 0.0
+        return outputs
+
+    def _needs_host_tokens(self, schedule: Schedule) -> bool:
+        """Whether a row needs a token the in-flight step is still sampling, other than a
+        decode row's input (which the device passes on by itself)."""
+        for row in schedule.rows:
+            lo = row.start + (1 if schedule.kind == "decode" else 0)
+            if any(t == PENDING for t in row.seq.tokens(lo, row.start + row.num_tokens)):
+                return True
+        return False
+
+    def _launch(self, schedule: Schedule) -> _Launched:
+        """Build the step's inputs, dispatch it, and advance every row's host state as if
+        the step had run (its sampled token PENDING until `_finish` reads it)."""
         self.stats.num_preemptions += len(schedule.preempted)
         batch = self._build_batch(schedule)
         t0 = time.perf_counter()
@@ -246,17 +305,47 @@ class LLMEngine:
                 row.seq.metrics.first_scheduled_time = t0
         compiles = batch.shape not in self.runner.traces
         result = self.runner.step(batch)
-        tokens, logprobs, extra = unpack_results(np.asarray(result))
-        dt = time.perf_counter() - t0
-        self._account(schedule, dt, compiles, extra)
-        return self._process(schedule, tokens, logprobs, extra)
+        out_idx = []
+        for r, row in enumerate(schedule.rows):
+            seq = row.seq
+            seq.num_computed = row.start + row.num_tokens
+            if not row.samples:
+                out_idx.append(-1)
+                continue
+            n = len(seq.output_token_ids)
+            out_idx.append(n)
+            forced = seq.params.forced_tokens
+            seq.output_token_ids.append(forced[n] if forced else PENDING)
+            seq.inflight_row = r
+            if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
+                    or 0 < len(forced) <= n + 1:
+                seq.awaiting_finish = True
+        return _Launched(schedule, result, t0, compiles, out_idx)
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's results (waits for the device) and process them."""
+        t_wait = time.perf_counter()
+        tokens, logprobs, extra = unpack_results(np.asarray(launched.result))
+        now = time.perf_counter()
+        self._waited += now - t_wait
+        # Device time of this step as the host sees it: from its launch, or from the previous
+        # step's results if those arrived later (steps queue on the device).
+        dt = now - max(launched.t0, self._last_ready)
+        self._last_ready = now
+        self._account(launched.schedule, dt, launched.compiles, extra)
+        return self._process(launched, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
         b = StepBatch.empty(schedule.shape)
         W = schedule.shape.pages
+        default_threshold = self.exit_config.threshold if self.exit_config else np.inf
         for r, row in enumerate(schedule.rows):
             seq, n = row.seq, row.num_tokens
-            b.tokens[r, :n] = seq.tokens(row.start, row.start + n)
+            toks = seq.tokens(row.start, row.start + n)
+            if schedule.kind == "decode" and toks[0] == PENDING:
+                b.src_row[r] = seq.inflight_row  # still on the device: the step reads it there
+                toks = [0]
+            b.tokens[r, :n] = toks
             b.positions[r, :n] = np.arange(row.start, row.start + n)
             b.positions[r, n:] = row.start + n  # padding: beyond kv_len, never written/read
             table = self.blocks.page_table(seq.seq_id)[:W]
@@ -270,8 +359,7 @@ class LLMEngine:
             b.top_k[r] = p.top_k
             b.top_p[r] = p.top_p
             b.threshold[r] = (p.exit_threshold if p.exit_threshold is not None
-                              else self.exit_config.threshold if self.exit_config
-                              else np.inf)
+                              else default_threshold)
         return b
 
     def _account(self, schedule: Schedule, dt: float, compiled: bool, extra: np.ndarray) -> None:
@@ -306,20 +394,19 @@ class LLMEngine:
                 s.row_exit_counts[e] = s.row_exit_counts.get(e, 0) + 1
         s.max_pages_used = max(s.max_pages_used, self.blocks.num_used_pages)
 
-    def _process(self, schedule: Schedule, tokens, logprobs, extra) -> list[RequestOutput]:
+    def _process(self, launched: _Launched, tokens, logprobs, extra) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for r, row in enumerate(schedule.rows):
-            seq = row.seq
-            seq.num_computed = row.start + row.num_tokens
-            if not row.samples:
+        for r, row in enumerate(launched.schedule.rows):
+            seq, idx = row.seq, launched.out_idx[r]
+            if idx < 0 or seq.finished:  # no token this step, or ended (stop, abort) before
                 continue
             token = int(tokens[r])
-            forced = seq.params.forced_tokens
-            if forced:  # teacher forcing: keep what the model said, continue with the given
+            if seq.params.forced_tokens:  # teacher forcing: keep what the model said
                 seq.predicted_token_ids.append(token)
-                token = forced[len(seq.output_token_ids)]
-            seq.output_token_ids.append(token)
+                token = seq.output_token_ids[idx]
+            else:
+                seq.output_token_ids[idx] = token
             seq.logprobs.append(float(logprobs[r]))
             layer = int(extra[r, 0])
             seq.exit_layers.append(layer)
@@ -327,16 +414,18 @@ class LLMEngine:
             self.stats.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            new_text = self._check_stop(seq, token)
+            new_text = self._check_stop(seq, token, idx + 1)
             if seq.finished:
+                del seq.output_token_ids[idx + 1:]  # tokens a later step sampled in flight
                 seq.metrics.finish_time = now
                 self.scheduler.release(seq)
                 self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, new_text))
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> str:
-        """Append the token's text, decide whether the sequence is done; returns new text."""
+    def _check_stop(self, seq: Sequence, token: int, n_out: int) -> str:
+        """Append the token (the request's n_out-th) to the text, decide whether the sequence
+        is done; returns the new text."""
         p = seq.params
         is_eos = token in self._eos and not p.ignore_eos
         old_len = len(seq.text)
@@ -351,9 +440,9 @@ class LLMEngine:
                 seq.text = seq.text[:min(hits)]
                 seq.finish_reason = "stop"
         new_text = seq.text[old_len:]
-        n_out = len(seq.output_token_ids)
         if not seq.finished and (n_out >= p.max_tokens or 0 < len(p.forced_tokens) <= n_out
-                                 or seq.num_tokens >= self.config.max_model_len):
+                                 or len(seq.prompt_token_ids) + n_out
+                                 >= self.config.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason == "length" and seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()  # flush a trailing partial character

@@ -45,7 +45,8 @@ class StepShape:
         B, T, W = self.batch, self.tokens, self.pages
         return (("tokens", B * T), ("positions", B * T), ("page_table", B * W),
                 ("kv_lens", B), ("last_idx", B), ("seeds", B), ("sample_idx", B),
-                ("top_k", B), ("temperature", B), ("top_p", B), ("threshold", B))
+                ("top_k", B), ("temperature", B), ("top_p", B), ("threshold", B),
+                ("src_row", B))
 
     @property
     def size(self) -> int:
@@ -68,6 +69,9 @@ class StepBatch:
     temperature: np.ndarray  # [B] f32
     top_p: np.ndarray  # [B] f32
     threshold: np.ndarray  # [B] f32, early-exit confidence threshold of each row
+    # [B] int32: decode rows whose input token the previous step sampled and the host has
+    # not read yet take it from that step's device result, row src_row; -1: `tokens` holds it
+    src_row: np.ndarray
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepBatch:
@@ -76,7 +80,7 @@ class StepBatch:
                    np.full((B, W), NULL_PAGE, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32),
-                   np.zeros(B, np.float32))
+                   np.zeros(B, np.float32), np.full(B, -1, np.int32))
 
     def pack(self) -> np.ndarray:
         """Everything in one int32 buffer: one host-to-device transfer per step."""
@@ -136,7 +140,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
                  exit_config: exits.ExitConfig | None = None, exit_heads=None,
-                 attention: str = "reference"):
+                 attention: str = "reference", max_batch: int = 64):
         self.cfg = cfg
         self.params = params
         self.cache = cache
@@ -149,26 +153,41 @@ class ModelRunner:
             exits.check_heads(cfg, exit_config, exit_heads)
         self.exit_heads = exit_heads
         self.traces: dict[StepShape, int] = {}
+        self.max_batch = max_batch
+        # The last step's sampled tokens, on the device, padded to max_batch: the next step
+        # reads its decode rows' inputs from here before the host has seen them.
+        self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
         self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,))
 
-    def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array):
+    def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
+                   last_tokens: jax.Array):
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
+        tokens = inp["tokens"]
+        if shape.kind == "decode":
+            src = inp["src_row"]
+            from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
+            tokens = jnp.where(src >= 0, from_device, tokens[:, 0])[:, None]
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
         policy = policy_for(self.exit_config, shape.kind)
-        result, cache = model_step(params, heads, cache, inp["tokens"], meta, inp["last_idx"],
+        result, cache = model_step(params, heads, cache, tokens, meta, inp["last_idx"],
                                    inp["threshold"], self.cfg, policy, self.attention)
-        tokens = sample(result.logits, sampling_tensors(inp))
-        logprobs = token_logprobs(result.logits, tokens)
-        return cache, pack_results(tokens, logprobs, result.exit_layer,
-                                   *(jnp.broadcast_to(a, tokens.shape)
-                                     for a in (result.checks, result.work)))
+        sampled = sample(result.logits, sampling_tensors(inp))
+        logprobs = token_logprobs(result.logits, sampled)
+        last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
+        return cache, pack_results(sampled, logprobs, result.exit_layer,
+                                   *(jnp.broadcast_to(a, sampled.shape)
+                                     for a in (result.checks, result.work))), last_tokens
 
     def step(self, batch: StepBatch) -> Any:
-        """Launch a step; returns the device result (call `unpack_results(np.asarray(r))`)."""
+        """Launch a step without waiting for it; returns the device result (read it with
+        `unpack_results(np.asarray(r))`, which waits)."""
+        if batch.shape.batch > self.max_batch:
+            raise ValueError(f"a step of {batch.shape.batch} rows exceeds max_batch "
+                             f"{self.max_batch}")
         buf = jnp.asarray(batch.pack())
-        self.cache, out = self._step(batch.shape, self.params, self.exit_heads, self.cache,
-                                     buf)
+        self.cache, out, self.last_tokens = self._step(
+            batch.shape, self.params, self.exit_heads, self.cache, buf, self.last_tokens)
         return out
 
     @property

@@ -38,7 +38,12 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
     predicted_token_ids: list[int] = dataclasses.field(default_factory=list)  # teacher forcing
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or are being written)
+    # Overlapped steps: the sampled token is PENDING in output_token_ids until the host has
+    # read it; a sequence that will have reached its length limit once it is read is not
+    # scheduled again (it finishes then).
+    awaiting_finish: bool = False
+    inflight_row: int = -1  # its row in the in-flight step (where its PENDING token is)
     text: str = ""
     detokenizer: Any = None
     finish_reason: str | None = None
@@ -145,6 +150,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        return bool(self.waiting) or any(not s.awaiting_finish for s in self.running)
+
     def release(self, seq: Sequence) -> None:
         """Finished or aborted: give its pages back and forget it."""
         if seq in self.running:
@@ -176,6 +184,8 @@ class Scheduler:
         for seq in self.running:
             if len(rows) >= max_rows or budget <= 0:
                 break
+            if seq.awaiting_finish:
+                continue
             # A prompt token never goes to a decode step: decode may exit early, prefill
             # always runs at full depth.
             if seq.num_pending > 1 or seq.num_computed < len(seq.prompt_token_ids):
@@ -209,8 +219,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         rows: list[ScheduledRow] = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an older one
-                continue
+            if seq not in self.running or seq.awaiting_finish:  # preempted below to make
+                continue  # room for an older one; or finishing once its last token is read
             while not self.blocks.can_append(seq.seq_id, seq.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
