@@ -1,0 +1,111 @@
+"""bench.common's drive loop and figures, checked against independent truths: the dense
+reference's greedy tokens, hand-computed ideals, numpy. No timing is asserted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.common import (
+    head_layers,
+    ideal_speedup,
+    serve,
+    smollm2_shaped_config,
+    stats_delta,
+)
+from bench.poisson import arrival_times, summarize
+from ee_jax.models.exits import ExitConfig
+from ee_jax.models.loading import LoadedModel
+from ee_jax.serving.engine import EngineStats
+from ee_jax.serving.llm import LLM
+from ee_jax.serving.params import greedy
+from ee_jax.testing import tiny_model
+from tests.reference import dense_greedy
+
+CFG, PARAMS = tiny_model(seed=3, eos_token_ids=())
+RNG = np.random.default_rng(11)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (7, 19, 3, 12)]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(LoadedModel(CFG, PARAMS, None, "tiny"), early_exit=False, progress=False,
+               max_num_seqs=4, max_model_len=64, batch_buckets=(2, 4))
+
+
+@pytest.fixture(scope="module")
+def want():
+    return [dense_greedy(CFG, PARAMS, p, NEW, width=64) for p in PROMPTS]
+
+
+def test_serve_with_arrivals_gives_the_reference_tokens_and_its_own_stats(llm, want):
+    first = serve(llm, PROMPTS, greedy(NEW))
+    total_before = llm.engine.stats.num_generated_tokens
+    arrivals = [0.0, 0.01, 0.02, 0.03]
+    res = serve(llm, PROMPTS, greedy(NEW), arrivals=arrivals)
+    assert [o.token_ids for o in first.outputs] == want
+    assert [o.token_ids for o in res.outputs] == want
+    # Stats of this call only, and the engine's own stats left cumulative.
+    assert res.stats.num_generated_tokens == len(PROMPTS) * NEW
+    assert llm.engine.stats.num_generated_tokens == total_before + len(PROMPTS) * NEW
+    assert res.completed == [True] * len(PROMPTS)
+    for a, times in zip(res.arrival, res.token_times, strict=True):
+        assert len(times) == NEW and times == sorted(times) and times[0] >= a
+    assert res.arrival == arrivals
+
+
+def test_static_admission_runs_one_batch_at_a_time(llm, want):
+    def admit(engine):
+        return 0 if engine.has_unfinished_requests() else 2
+
+    res = serve(llm, PROMPTS, greedy(NEW), admit=admit)
+    assert [o.token_ids for o in res.outputs] == want
+    first_batch_end = max(res.token_times[0][-1], res.token_times[1][-1])
+    assert min(res.token_times[2][0], res.token_times[3][0]) > first_batch_end
+
+
+def test_time_limit_aborts_what_is_unfinished(llm):
+    res = serve(llm, PROMPTS, greedy(NEW), arrivals=[0.0, 0.0, 30.0, 30.0], time_limit=0.0)
+    assert res.completed == [False] * len(PROMPTS)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stats_delta():
+    before = EngineStats(num_decode_steps=3, decode_time=1.5, max_pages_used=4,
+                         row_exit_counts={2: 1, 4: 5})
+    after = EngineStats(num_decode_steps=5, decode_time=2.0, max_pages_used=6,
+                        row_exit_counts={2: 1, 4: 8, 3: 2})
+    d = stats_delta(before, after)
+    assert (d.num_decode_steps, d.decode_time, d.max_pages_used) == (2, 0.5, 6)
+    assert d.row_exit_counts == {4: 3, 3: 2}
+
+
+def test_ideal_counts_the_head():
+    cfg = smollm2_shaped_config()
+    # DESIGN.md: 49,152 x 576 = 28.3M multiply-adds, about 8 of SmolLM2-135M's layers.
+    head = head_layers(cfg)
+    assert 7.5 < head < 8.5
+    L = cfg.n_layers
+    assert ideal_speedup(EngineStats(num_decode_rows=4, decode_row_layers=4 * L), cfg) == 1.0
+    # Classifier measure (no vocabulary check): half the rows at 10, half at L.
+    ec = ExitConfig(exit_layers=(10,), measure="classifier")
+    s = EngineStats(num_decode_steps=2, num_decode_rows=4, decode_row_layers=2 * 10 + 2 * L,
+                    row_exit_counts={10: 2, L: 2})
+    assert ideal_speedup(s, cfg, ec) == pytest.approx((L + head) / (20 + head))
+    # max_prob: one vocabulary check per step; leaving rows reuse its logits.
+    ec = ExitConfig(exit_layers=(10,), measure="max_prob")
+    s = EngineStats(num_decode_steps=2, num_decode_rows=4, decode_row_layers=2 * 10 + 2 * L,
+                    row_exit_counts={10: 2, L: 2}, vocab_checks=2)
+    assert ideal_speedup(s, cfg, ec) == pytest.approx((L + head) / (20 + head / 2 + head))
+
+
+def test_poisson_arrivals_and_summary():
+    t = np.asarray(arrival_times(4.0, 4000, 1e9, seed=1))
+    assert np.all(np.diff(t) > 0)
+    assert np.mean(np.diff(t)) == pytest.approx(0.25, rel=0.05)
+    assert max(arrival_times(4.0, 4000, 10.0, seed=1)) <= 10.0
+    r = summarize("x", 1.0, [0.0, 1.0], [[0.5, 0.7, 1.0], [2.0, 2.5]], [True, True])
+    assert r["ttft50"] == pytest.approx(np.percentile([0.5, 1.0], 50))
+    assert r["itl99"] == pytest.approx(np.percentile([0.2, 0.3, 0.5], 99))
+    assert (r["done"], r["span"], r["tok_s"]) == (2, 2.5, 2.0)
