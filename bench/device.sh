@@ -9,7 +9,13 @@
 # What it measures, each in one process after warm-up with compile time apart:
 #   bench.per_row_step  one decode step: never / per_row with no row, half, all rows leaving at
 #                       layer 10 / `all` with every row leaving, at batch 8, 32, 128, 256;
-#   bench.early_exit    forced-exit ceiling and the overhead of exits never taken, batch 1-64.
+#   bench.early_exit    forced-exit ceiling and the overhead of exits never taken, batch 1-64;
+#   bench.attention     attention alone, 30 layers of decode over a 32-page bucket (rows ~250
+#                       tokens): reference vs xla vs pallas_gpu (JAX's Triton paged kernel,
+#                       only where JAX sees a GPU) vs layout_copy (a lower bound of the Pallas
+#                       wrapper's per-layer copy of our cache into the kernel's layout), absolute
+#                       ms per step at batch 8, 32, 128, 256. Runs first (a few seconds); a failure
+#                       there is logged and the script goes on.
 # On a GPU a layer over B/2 rows is expected to cost about what it costs over B until B is large
 # (weights are read once per layer whatever the rows; not measured yet): the half-rows-leave
 # column says from which batch on compaction pays there; set `min_row_bucket` from it.
@@ -32,11 +38,20 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     if [ -n "${QUICK:-}" ]; then step_args="--steps 2 --repeats 1"; ee_args="--batches 1 --repeats 2"
-    else step_args="--steps 20 --repeats 5"; ee_args="--batches 1 8 32 64"; fi
+        attn_args="--steps 1 --repeats 1"
+    else step_args="--steps 20 --repeats 5"; ee_args="--batches 1 8 32 64"
+        attn_args="--steps 10 --repeats 5"; fi
+    attn_backends="reference xla"
+    if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
+        attn_backends="reference xla pallas_gpu layout_copy"
+    fi
     {
         date -u
         python3 -c "import jax; print(jax.__version__, jax.devices())"
         nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
+        python3 -m bench.attention --backends $attn_backends \
+            --batches ${ATTN_BATCHES:-${BATCHES:-8 32 128 256}} $attn_args \
+            || echo "bench.attention failed (exit $?); the rest still runs"
         for b in ${BATCHES:-8 32 128 256}; do
             python3 -m bench.per_row_step --random --batch "$b" $step_args
         done

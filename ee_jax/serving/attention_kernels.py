@@ -171,7 +171,7 @@ def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
 # --------------------------------------------------------------------------- Pallas
 
 
-def _layer_pages(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
+def layer_pages(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     """One layer in the kernels' layout, k, v: [K, P, S, hd].
 
     Our cache is [L, P, S, K, hd]; the kernels want the kv head in front. The slice and the
@@ -225,7 +225,7 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     pages_per_block = min(8, per_split)
     per_split = -(-per_split // pages_per_block) * pages_per_block
     table = _pad_columns(meta.page_table, k_splits * per_split)
-    k_pages, v_pages = _layer_pages(cache, layer)
+    k_pages, v_pages = layer_pages(cache, layer)
     lengths = _decode_lengths(meta)
     qs = (q[:, 0].astype(jnp.float32) * scale).astype(cache.k.dtype)  # [B, H, hd]
     out = gpu_kernel.paged_attention(
@@ -255,7 +255,7 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     scale = hd ** -0.5 if scale is None else float(scale)
     pages_per_block = max(1, min(W, 128 // S))  # 128 keys per block, at most the table
     table = _pad_columns(meta.page_table, pages_per_block)
-    k_pages, v_pages = _layer_pages(cache, layer)
+    k_pages, v_pages = layer_pages(cache, layer)
     lengths = _decode_lengths(meta)
     qs = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # [B, H, hd]
     ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
@@ -294,5 +294,5 @@ def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "Backend", "pallas_gpu", "pallas_tpu", "reference", "select_backend",
-           "xla"]
+__all__ = ["BACKENDS", "Backend", "layer_pages", "pallas_gpu", "pallas_tpu", "reference",
+           "select_backend", "xla"]
