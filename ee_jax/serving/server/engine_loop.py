@@ -55,7 +55,10 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ee-jax-engine", daemon=True)
-        self._preemptions = 0
+        # Engine stats already counted (or from before this server): counters take deltas.
+        s = engine.stats
+        self._preemptions, self._compiles = s.num_preemptions, s.num_compiles
+        self._compile_time = s.compile_time
 
     # -- any thread --------------------------------------------------------------------
 
@@ -185,7 +188,10 @@ class EngineLoop:
             return
         stats = self.engine.stats
         self.metrics.preemptions.inc(stats.num_preemptions - self._preemptions)
-        self._preemptions = stats.num_preemptions
+        self.metrics.compiles.inc(stats.num_compiles - self._compiles)
+        self.metrics.compile_seconds.inc(stats.compile_time - self._compile_time)
+        self._preemptions, self._compiles = stats.num_preemptions, stats.num_compiles
+        self._compile_time = stats.compile_time
         self.metrics.pages_used.set(self.engine.blocks.num_used_pages)
         self.metrics.running.set(self.engine.num_unfinished_requests)
 

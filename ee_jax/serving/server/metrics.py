@@ -50,6 +50,10 @@ class ServerMetrics:
               registry=r).set(num_pages)
         self.preemptions = Counter("eejax_preemptions", "Requests preempted (recomputed later) "
                                    "when pages ran out", registry=r)
+        self.compiles = Counter("eejax_compiles", "Engine steps that compiled a new program",
+                                registry=r)
+        self.compile_seconds = Counter("eejax_compile_seconds", "Time spent in steps that "
+                                       "compiled", registry=r)
         self.running = Gauge("eejax_requests_in_engine", "Requests in the engine (running or "
                              "waiting)", registry=r)
         self._lock = threading.Lock()
