@@ -105,7 +105,7 @@ def jitted(backend: str):
     return jax.jit(fn or ak.select_backend(backend), static_argnames=("scale", "softcap"))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(backend=st.sampled_from(["reference", "xla"]), page_size=st.sampled_from([1, 2, 4, 16]),
        lengths=lengths_st, T=st.sampled_from([1, 1, 3]), spare=st.integers(0, 2),
        layer=st.integers(0, LAYERS - 1), window=st.sampled_from([None, 0, 1, 3, 8]),
@@ -132,7 +132,7 @@ def test_xla_chunks_and_full_bucket(lengths, page_size):
                                    atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(page_size=st.sampled_from([2, 4, 16]), lengths=lengths_st, T=st.sampled_from([1, 1, 2]),
        window=st.sampled_from([None, None, 3]), softcap=st.sampled_from([None, 2.0]),
        seed=st.integers(0, 2**16))
@@ -147,7 +147,7 @@ def test_pallas_gpu_interpreted_equals_dense(page_size, lengths, T, window, soft
                                atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(page_size=st.sampled_from([4, 16]), lengths=lengths_st,
        softcap=st.sampled_from([None, 2.0]), seed=st.integers(0, 2**16))
 def test_pallas_tpu_interpreted_equals_dense(page_size, lengths, softcap, seed):
