@@ -238,3 +238,23 @@ def test_extreme_knobs_work_at_full_depth(kw, reference):
     outs = run(engine, PROMPTS[:3], greedy(MAX_NEW))
     assert [o.token_ids for o in outs] == reference[:3]
     assert engine.blocks.num_used_pages == 0
+
+
+def test_precompile_covers_every_shape_a_run_meets():
+    """After `precompile`, a mixed run (chunked prompts, several batch sizes, growing pages)
+    traces and compiles nothing new."""
+    import jax
+
+    engine = make_engine(max_num_seqs=4, max_model_len=48, batch_buckets=(1, 2, 4),
+                         max_num_batched_tokens=32)
+    n = engine.precompile(progress=False)
+    assert n == len(engine.runner.traces) == len(engine.scheduler.config.step_shapes())
+    traced = dict(engine.runner.traces)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    outs = run(engine, [p[:30] for p in PROMPTS], greedy(10))
+    assert all(o.finish_reason == "length" for o in outs)
+    assert engine.runner.traces == traced
+    assert compiles == []

@@ -7,18 +7,22 @@ the device and one small result array back.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
+import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
@@ -32,6 +36,19 @@ from ee_jax.serving.params import (
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
 
 PENDING = -1  # a sampled token the host has not read yet (overlapped steps)
+
+
+def enable_compilation_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache at `path` (every program, however quick to
+    compile: a step of a small model compiles in seconds and still stalls a request)."""
+    import jax
+
+    path = str(Path(path).expanduser())
+    if jax.config.jax_compilation_cache_dir != path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @dataclasses.dataclass
@@ -62,6 +79,9 @@ class EngineConfig:
     # Launch step n+1 before reading step n's tokens (the host never waits for the device).
     async_scheduling: bool = True
     attention: str = "reference"  # attention backend (ee_jax.serving.attention)
+    # JAX's persistent compilation cache: a restarted engine loads its programs instead of
+    # compiling them again. None: off.
+    compilation_cache_dir: str | None = "~/.cache/ee-jax/xla"
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -114,6 +134,32 @@ class EngineStats:
     def mean_layers_per_row(self) -> float:
         """Mean layers executed per decoded row (per token of a decode step)."""
         return self.decode_row_layers / self.num_decode_rows if self.num_decode_rows else 0.0
+
+    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
+        """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
+        layer-equivalents (`exits.cost_model`): the honest ceiling beside the measured speed
+        (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
+        if ec is None or not self.row_exit_counts:
+            return 1.0
+        return ideal_speedup_with_head(cfg, ec, self.row_exit_counts)
+
+    def snapshot(self) -> EngineStats:
+        """A copy of the counters now; `since(snapshot)` gives a window's figures."""
+        return copy.deepcopy(self)
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The counters accumulated after `before` (a `snapshot`); maxima stay as they are."""
+        out = EngineStats()
+        for f in dataclasses.fields(self):
+            now, then = getattr(self, f.name), getattr(before, f.name)
+            if isinstance(now, dict):
+                diff = {k: v - then.get(k, 0) for k, v in now.items()}
+                setattr(out, f.name, {k: v for k, v in diff.items() if v})
+            elif f.name.startswith("max_"):
+                setattr(out, f.name, now)
+            else:
+                setattr(out, f.name, now - then)
+        return out
 
     def ideal_row_speedup(self, n_layers: int) -> float:
         """L / mean executed layers per row: the most per-row exits could give."""
@@ -170,6 +216,8 @@ class LLMEngine:
                 f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
                 f"cannot hold one sequence of max_model_len={config.max_model_len}; raise "
                 f"num_pages/kv_cache_gib or lower max_model_len")
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         self.exit_config = exit_config
@@ -458,6 +506,23 @@ class LLMEngine:
             exit_layers=list(seq.exit_layers), metrics=seq.metrics, new_text=new_text,
             predicted_token_ids=(list(seq.predicted_token_ids) if seq.params.forced_tokens
                                  else None))
+
+    # -- compiling ahead -------------------------------------------------------------------
+
+    def precompile(self, kinds: tuple[str, ...] = ("decode", "prefill"), *,
+                   progress: bool = True) -> int:
+        """Compile every step shape the scheduler can produce (of these kinds) now, so no
+        request waits for a compile mid-run; returns how many programs that is. With the
+        persistent compilation cache, a restart loads them instead."""
+        shapes = [s for s in self.scheduler.config.step_shapes(kinds)
+                  if s not in self.runner.traces]
+        t0 = time.perf_counter()
+        for shape in tqdm(shapes, desc="compiling steps", unit="program", file=sys.stderr,
+                          disable=not progress, leave=False):
+            self.runner.compile(shape)
+        self.stats.compile_time += time.perf_counter() - t0
+        self.stats.num_compiles += len(shapes)
+        return len(shapes)
 
     # -- introspection -----------------------------------------------------------------
 

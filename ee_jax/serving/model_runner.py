@@ -185,10 +185,17 @@ class ModelRunner:
         if batch.shape.batch > self.max_batch:
             raise ValueError(f"a step of {batch.shape.batch} rows exceeds max_batch "
                              f"{self.max_batch}")
-        buf = jnp.asarray(batch.pack())
+        buf = jax.device_put(batch.pack())  # a transfer (jnp.asarray compiles per shape)
         self.cache, out, self.last_tokens = self._step(
             batch.shape, self.params, self.exit_heads, self.cache, buf, self.last_tokens)
         return out
+
+    def compile(self, shape: StepShape) -> None:
+        """Compile the step of `shape` ahead of time, without running it (jit reuses the
+        compiled program when a batch of that shape comes)."""
+        buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+        self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
+                         self.last_tokens).compile()
 
     @property
     def num_traces(self) -> int:

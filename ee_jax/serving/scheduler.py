@@ -104,6 +104,30 @@ class SchedulerConfig:
         pages = math.ceil(num_tokens / self.page_size)
         return min(self.pages_per_seq, max(self.min_page_bucket, _next_bucket(pages)))
 
+    def step_shapes(self, kinds: tuple[str, ...] = ("decode", "prefill")) -> list[StepShape]:
+        """Every step shape `Scheduler` can produce under this config (what `precompile`
+        compiles): decode steps by batch and page bucket; prefill steps by batch, chunk and
+        page bucket, where the rows' chunks fit the token budget."""
+        def firsts(bucket, hi: int) -> dict[int, int]:  # bucket -> smallest n mapping to it
+            out: dict[int, int] = {}
+            for n in range(1, hi + 1):
+                out.setdefault(bucket(n), n)
+            return out
+
+        batches = firsts(self.batch_bucket, self.max_num_seqs)
+        pages = firsts(self.page_bucket, self.max_model_len)
+        shapes = []
+        if "decode" in kinds:
+            shapes += [StepShape(b, 1, w, kind="decode") for b in batches for w in pages]
+        if "prefill" in kinds:
+            budget = self.max_num_batched_tokens
+            chunks = firsts(self.token_bucket, min(self.max_prefill_chunk, budget))
+            shapes += [StepShape(b, t, w, kind="prefill")
+                       for b, nb in batches.items() for t, nt in chunks.items()
+                       for w, nw in pages.items()
+                       if nb - 1 + nt <= budget and nw >= nt]
+        return shapes
+
 
 def _next_bucket(n: int) -> int:
     """Smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) >= n.
