@@ -12,7 +12,9 @@ traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
     final_norm  [D]
     lm_head     [D, V]      (absent when the head is tied to `embed`)
 
-Weights are stored input-major (`x @ w`). Norm weights are stored as the checkpoint holds
+Weights are stored input-major (`x @ w`) and applied by `linear`, the one matmul rule: a
+layer weight may be an int8 `quant.QArray` (per-output-channel scales, see
+`ee_jax.models.quant`). Norm weights are stored as the checkpoint holds
 them; `norm` applies the family's rule (Gemma's 1 + w) in one place, for the layers, the
 final head and the exit heads alike. Nothing here knows about caches or batching:
 attention is injected into `decoder_layer` as a function, so the serving code wraps these
@@ -32,6 +34,7 @@ import numpy as np
 
 from ee_jax.errors import ModelLoadError
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.quant import QArray, linear
 
 Params = dict[str, Any]
 LayerParams = dict[str, jax.Array]
@@ -88,7 +91,8 @@ def check_params(cfg: ModelConfig, params: Params, *, source: str = "params") ->
     """Raise if any leaf is missing, extra, or mis-shaped relative to `param_shapes(cfg)`."""
     expected = {jax.tree_util.keystr(p): leaf for p, leaf in
                 jax.tree_util.tree_leaves_with_path(param_shapes(cfg))}
-    got = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    got = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda a: isinstance(a, QArray))}  # an int8 weight has its w's shape
     problems = []
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
@@ -122,7 +126,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
 
 
 def cast_params(params: Params, dtype) -> Params:
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    """Every array in `dtype`; int8 weights (QArray) stay int8."""
+    return jax.tree.map(lambda a: a if isinstance(a, QArray) else jnp.asarray(a, dtype), params,
+                        is_leaf=lambda a: isinstance(a, QArray))
 
 
 def layer_params(params: Params, i) -> LayerParams:
@@ -189,7 +195,7 @@ def _split_heads(x: jax.Array, n: int) -> jax.Array:
 def _project_heads(lp: LayerParams, xn: jax.Array, which: str, n: int, cfg: ModelConfig):
     """xn @ w{which} (+ bias) split into n heads: [..., T, D] -> [..., T, n, hd]; q and k get
     the per-head norm (Qwen3) here, before RoPE."""
-    y = xn @ lp["w" + which]
+    y = linear(xn, lp["w" + which])
     if cfg.qkv_bias:
         y = y + lp["b" + which]
     y = _split_heads(y, n)
@@ -282,12 +288,12 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
 
 def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Gated MLP: SwiGLU, or GeGLU (tanh GELU) when cfg.activation is "gelu_tanh"."""
-    gate = x @ lp["w_gate"]
+    gate = linear(x, lp["w_gate"])
     if cfg.activation == "gelu_tanh":
         act = jax.nn.gelu(gate, approximate=True)
     else:
         act = jax.nn.silu(gate)
-    return (act * (x @ lp["w_up"])) @ lp["w_down"]
+    return linear(act * linear(x, lp["w_up"]), lp["w_down"])
 
 
 def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
@@ -300,7 +306,7 @@ def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: Mode
     q = q_project(lp, xn, positions, cfg)
     k, v = kv_from_normed(lp, xn, positions, cfg)
     o, aux = attend(q, k, v)
-    o = o.reshape(*o.shape[:-2], -1) @ lp["wo"]
+    o = linear(o.reshape(*o.shape[:-2], -1), lp["wo"])
     if cfg.post_norms:
         o = norm(o, lp["post_attn_norm"], cfg)
     x = x + o

@@ -1,0 +1,125 @@
+"""Weight-only int8: per-output-channel scales, dequantized inside the matmul.
+
+A quantized weight is a `QArray`: `q` int8 [..., in, out] and `scale` f32 [..., out], with
+w ~= q * scale (symmetric, scale = max |w| over the input axis / 127). It is a registered
+pytree of two leaves, so the stacked layer axis slices like any other leaf: `layer_params`,
+`lax.scan`, the back-fill's `vmap` and `a[first:]` need no special case.
+
+`linear(x, w)` is the one matmul rule: every weight of a layer (wq, wk, wv, wo, w_gate, w_up,
+w_down) is applied through it, plain or quantized. The int8 weight is converted to the
+activation dtype, multiplied in, and the scale applied to the f32 accumulator after the dot
+(per output channel, so it commutes with the sum): XLA fuses the convert and the scale into
+the dot, and a decode step reads a quarter of the f32 weight bytes (half of bf16's).
+
+The embedding and the LM head stay in the model dtype: the exit heads read rows of the
+shared head (candidate sets), and the embedding's gather stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ee_jax.models.config import ConfigError
+
+QUANTIZE_MODES = ("int8",)
+# The layer weights that are quantized: every matmul of a decoder layer.
+QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+class QuantizeError(ConfigError):
+    """A quantization mode ee-jax does not implement."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """An int8 weight with per-output-channel scales: w ~= q * scale[..., None, :]."""
+
+    q: jax.Array  # int8 [..., in, out]
+    scale: jax.Array  # f32 [..., out]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for (what `check_params` compares)."""
+        return tuple(self.q.shape)
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes) + int(self.scale.nbytes)
+
+
+def is_qarray(x: Any) -> bool:
+    return isinstance(x, QArray)
+
+
+def check_quantize(quantize: str | None) -> str | None:
+    """`quantize` itself if ee-jax implements it, else a QuantizeError saying what does."""
+    if quantize is None or quantize in QUANTIZE_MODES:
+        return quantize
+    raise QuantizeError(
+        f"quantize={quantize!r} is not supported: ee-jax serves weight-only int8 "
+        f"(per-output-channel scales). Pass quantize='int8' (CLI: --quantize int8), or leave "
+        f"it unset to serve the weights in the model dtype.")
+
+
+def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+    """x @ w for a plain or an int8 weight. x: [..., in]; w: [in, out] -> [..., out] in x's
+    dtype. int8: the dot accumulates in f32 and the scale multiplies the result."""
+    if isinstance(w, QArray):
+        y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * w.scale).astype(x.dtype)
+    return x @ w
+
+
+@jax.jit
+def quantize_weight(w: jax.Array) -> QArray:
+    """Symmetric int8 over the input axis (-2), one scale per output channel (and layer).
+    w: [..., in, out] -> QArray(q [..., in, out], scale [..., out]). An all-zero column gets
+    scale 1 (its q is 0)."""
+    w32 = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2)  # [..., out]
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w32 / scale[..., None, :]), -127, 127).astype(jnp.int8)
+    return QArray(q, scale)
+
+
+def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
+    """The weight the int8 one stands for, q * scale, in `dtype`."""
+    return (w.q.astype(jnp.float32) * w.scale[..., None, :]).astype(dtype)
+
+
+def quantize_params(params: dict, quantize: str | None = "int8") -> dict:
+    """The layer weights (`QUANTIZED_KEYS`) as QArrays; everything else (embedding, LM head,
+    norms, biases) unchanged. quantize None: `params` as they are. Already quantized
+    weights are kept."""
+    if check_quantize(quantize) is None:
+        return params
+    layers = dict(params["layers"])
+    for key in QUANTIZED_KEYS:
+        if not isinstance(layers[key], QArray):
+            layers[key] = quantize_weight(layers[key])
+    return dict(params, layers=layers)
+
+
+def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
+    """Every QArray replaced by its dequantized weight in `dtype` (a plain model that
+    computes what the int8 one does: the tests' reference)."""
+    return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QArray) else a,
+                        params, is_leaf=is_qarray)
+
+
+def is_quantized(params: dict) -> bool:
+    return any(isinstance(a, QArray) for a in jax.tree.leaves(params, is_leaf=is_qarray))
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes the parameter arrays hold (an int8 weight: its q plus its scales)."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(params))
