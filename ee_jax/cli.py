@@ -122,10 +122,12 @@ def _load_model(args):
     from ee_jax.models.loading import load_model
 
     if args.model == "random":
+        from ee_jax.models.loading import quantize_model
         from ee_jax.random_model import random_model
 
-        return random_model()
-    return load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+        return quantize_model(random_model(), args.quantize)
+    return load_model(args.model, dtype=args.dtype, quantize=args.quantize,
+                      progress=not args.quiet)
 
 
 def _serve(args) -> int:
@@ -261,6 +263,9 @@ def _add_eval_parser(sub) -> None:
 def _add_engine_args(g: argparse.ArgumentParser) -> None:
     """Model dtype, KV cache and early-exit flags (generate and serve)."""
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--quantize", default=None, metavar="int8",
+                   help="weight-only int8 layer weights (per-output-channel scales); the "
+                   "embedding, LM head and exit heads stay in --dtype")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--page-size", type=int, default=16)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ee_jax.models import registry
+from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.tokenizer import Tokenizer
 
@@ -30,14 +30,19 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
-               progress: bool = True) -> LoadedModel:
+               quantize: str | None = None, progress: bool = True) -> LoadedModel:
     """A registry name (`smollm2-135m-instruct`), a .gguf file, a Hugging Face folder
-    (config.json + safetensors) or an ee-jax orbax checkpoint folder."""
+    (config.json + safetensors) or an ee-jax orbax checkpoint folder.
+
+    quantize="int8": the layer weights become int8 with per-output-channel scales once
+    loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`."""
+    quant.check_quantize(quantize)  # before minutes of loading
     t0 = time.perf_counter()
     kind, path = registry.resolve_model(name_or_path)
     if progress:
         print(f"[ee-jax] loading {name_or_path} ({kind}: {path})", file=sys.stderr)
     cfg, params = registry.load_params(name_or_path, dtype=dtype)
+    params = quant.quantize_params(params, quantize)
     tokenizer = None
     if kind == "gguf":
         # The model's own tokenization (SmolLM2's tokenizer.json splits digits; transformers'
@@ -47,7 +52,17 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
         tokenizer = Tokenizer.from_file(path)
     if progress:
         print(f"[ee-jax] loaded {cfg.n_layers} layers, d={cfg.d_model}, "
-              f"vocab={cfg.vocab_size}, {dtype} in {time.perf_counter() - t0:.1f}s",
+              f"vocab={cfg.vocab_size}, {dtype}{' + int8 layer weights' if quantize else ''}"
+              f" ({quant.param_bytes(params) / 2**20:.0f} MiB) in "
+              f"{time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
     name = str(name_or_path) if str(name_or_path) in registry.MODELS else None
     return LoadedModel(cfg, params, tokenizer, str(path), name)
+
+
+def quantize_model(model: LoadedModel, quantize: str | None) -> LoadedModel:
+    """`model` with its layer weights quantized (`quant.quantize_params`); itself when
+    quantize is None."""
+    if quant.check_quantize(quantize) is None:
+        return model
+    return dataclasses.replace(model, params=quant.quantize_params(model.params, quantize))

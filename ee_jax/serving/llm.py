@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.models.exits import ExitConfig
-from ee_jax.models.loading import LoadedModel, load_model
+from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (
     InvalidRequestError,
@@ -31,14 +31,15 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel = "smollm2-135m-instruct", *,
-                 dtype: str = "float32", progress: bool = True,
+                 dtype: str = "float32", quantize: str | None = None, progress: bool = True,
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  early_exit: bool = True, **engine_kwargs):
         """Without `exit_config`, a registry model with shipped exit heads (SmolLM2) serves
-        with them; `early_exit=False` serves at full depth instead."""
+        with them; `early_exit=False` serves at full depth instead. quantize="int8" serves
+        int8 layer weights (per-output-channel scales; exit heads stay in the model dtype)."""
         t0 = time.perf_counter()
-        self.model = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, progress=progress)
+        self.model = quantize_model(model, quantize) if isinstance(model, LoadedModel) else \
+            load_model(model, dtype=dtype, quantize=quantize, progress=progress)
         if not early_exit:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:
