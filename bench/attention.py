@@ -11,8 +11,9 @@ call's output feeding the next query so nothing is hoisted: that is the attentio
 decode step. Backends are timed interleaved after a warm-up (compile apart): median and best
 of `--repeats` rounds, each round the mean of `--steps` calls (on a shared machine the best
 round is the steadier figure). `layout_copy` times a lower bound of the Pallas wrappers'
-per-layer copy of our [L, P, S, K, hd] cache into the kernels' [K, P, S, hd] layout; the page
-pool here is 1 + B * pages pages, and that copy grows with the pool, not with what rows hold.
+per-layer copy of our [L, P, S, K, hd] cache into the kernels' [K, P, S, hd] layout (here the
+B * pages table entries: the pool is one page larger), which grows with the page bucket, not
+with what the rows hold.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def make_inputs(batch: int, tokens: int, pages: int, lo: int, hi: int, dtype, se
 def layout_copy(q, cache, layer, meta, **_):
     """Not a backend: what the Pallas wrappers' per-layer slice + transpose of our cache into
     the kernels' [K, P, S, hd] layout costs at least. The wrappers materialise it (a kernel
-    operand); here it is summed, which XLA fuses into one read of the layer's whole pool, so
-    this is a lower bound (a copy reads and writes it)."""
-    k, v = layer_pages(cache, layer)
+    operand); here it is summed, which XLA fuses into one read of those pages, so this is a
+    lower bound (a copy reads and writes them)."""
+    k, v, _ = layer_pages(cache, layer, meta.page_table)
     return q + 1e-9 * (jnp.sum(k) + jnp.sum(v))
 
 

@@ -29,15 +29,18 @@ PALLAS_TPU = functools.partial(ak.pallas_tpu, interpret=True)
 
 
 def make_case(seed: int, lengths: list[int], page_size: int, T: int, spare: int = 1,
-              dtype=jnp.float32, bf16_values: bool = False):
+              dtype=jnp.float32, bf16_values: bool = False, tight_pool: bool = False):
     """q, cache, meta and the numpy truth inputs for rows of `lengths` tokens (0: padding
-    row). Queries are each row's last T positions (clipped at 0)."""
+    row). Queries are each row's last T positions (clipped at 0). The page pool has room for
+    every table entry, or (tight_pool) just the pages the rows hold plus two."""
     rng = np.random.default_rng(seed)
     B = len(lengths)
     # The table width depends on the page size and `spare` only (few compiled shapes); a row
     # of MAX_LEN tokens with spare 0 fills the whole table.
     W = -(-max(MAX_LEN, *lengths) // page_size) + spare
     num_pages = 1 + B * W + 2
+    if tight_pool:
+        num_pages = 1 + sum(-(-n // page_size) for n in lengths) + 2
     shape = (LAYERS, num_pages, page_size, K, HD)
     ck = rng.normal(size=shape).astype(np.float32)  # garbage everywhere
     cv = rng.normal(size=shape).astype(np.float32)
@@ -158,6 +161,21 @@ def test_pallas_tpu_interpreted_equals_dense(page_size, lengths, softcap, seed):
                                           softcap=softcap))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, dense_truth(truth, 0, 0.3, None, softcap),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("tight_pool", [False, True])
+def test_pallas_either_copy_of_the_layer(backend, tight_pool):
+    """The wrappers copy the batch's table entries or the layer's whole pool, whichever is
+    smaller; both give the truth."""
+    fn = {"pallas_gpu": PALLAS_GPU, "pallas_tpu": PALLAS_TPU}[backend]
+    q, cache, meta, truth = make_case(11, [MAX_LEN, 3, 0, 17], 4, T=1, bf16_values=True,
+                                      tight_pool=tight_pool)
+    B, W = meta.page_table.shape
+    assert (cache.num_pages <= B * W) == tight_pool
+    got = np.asarray(fn(q, cache, jnp.int32(1), meta, scale=None))
+    np.testing.assert_allclose(got, dense_truth(truth, 1, HD ** -0.5, None, None),
                                atol=1e-5, rtol=1e-5)
 
 

@@ -171,18 +171,30 @@ def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
 # --------------------------------------------------------------------------- Pallas
 
 
-def layer_pages(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
-    """One layer in the kernels' layout, k, v: [K, P, S, hd].
+def layer_pages(cache: KVCache, layer, page_table: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pages of `layer` the batch can read, in the kernels' layout, and a table into them:
+    k, v [K, P', S, hd], table [B, W].
 
-    Our cache is [L, P, S, K, hd]; the kernels want the kv head in front. The slice and the
-    transpose are one copy of the layer's whole page pool (k and v), whatever the batch reads:
-    O(P * S * K * hd) per layer per step. A [L, K, P, S, hd] cache would make it a contiguous
-    slice, but XLA still copies a dynamic slice into a custom call's operand; only a kernel
-    that takes the stacked cache and the layer index (a scalar-prefetch argument) avoids it.
+    Our cache is [L, P, S, K, hd]; the kernels want the kv head in front, so the wrappers pay
+    one copy per layer per step, of whichever is smaller (a static choice): the batch's B*W
+    table entries (gathered; the table becomes 0..B*W-1) or the layer's whole pool of P pages
+    (sliced). Either way it is O(min(B*W, P) * S * K * hd) bytes written and read again by the
+    kernel. A [L, K, P, S, hd] cache would make the whole-pool case a contiguous slice, but
+    XLA still copies a dynamic slice into a custom call's operand; only a kernel that takes
+    the stacked cache and the layer index (scalar prefetch) avoids the copy.
     """
-    k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)  # [P, S, K, hd]
-    v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
-    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
+    L, P, S, K, hd = cache.k.shape
+    B, W = page_table.shape
+    if B * W < P:
+        rows = (page_table + layer * P).reshape(B * W)
+        k = jnp.take(cache.k.reshape(L * P, S, K, hd), rows, axis=0, mode="clip")
+        v = jnp.take(cache.v.reshape(L * P, S, K, hd), rows, axis=0, mode="clip")
+        page_table = jnp.arange(B * W, dtype=jnp.int32).reshape(B, W)
+    else:
+        k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)  # [P, S, K, hd]
+        v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0), page_table
 
 
 def _decode_lengths(meta: AttentionMetadata) -> jax.Array:
@@ -224,8 +236,8 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     per_split = -(-W // k_splits)
     pages_per_block = min(8, per_split)
     per_split = -(-per_split // pages_per_block) * pages_per_block
-    table = _pad_columns(meta.page_table, k_splits * per_split)
-    k_pages, v_pages = layer_pages(cache, layer)
+    k_pages, v_pages, table = layer_pages(cache, layer, meta.page_table)
+    table = _pad_columns(table, k_splits * per_split)
     lengths = _decode_lengths(meta)
     qs = (q[:, 0].astype(jnp.float32) * scale).astype(cache.k.dtype)  # [B, H, hd]
     out = gpu_kernel.paged_attention(
@@ -254,8 +266,8 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
 
     scale = hd ** -0.5 if scale is None else float(scale)
     pages_per_block = max(1, min(W, 128 // S))  # 128 keys per block, at most the table
-    table = _pad_columns(meta.page_table, pages_per_block)
-    k_pages, v_pages = layer_pages(cache, layer)
+    k_pages, v_pages, table = layer_pages(cache, layer, meta.page_table)
+    table = _pad_columns(table, pages_per_block)
     lengths = _decode_lengths(meta)
     qs = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # [B, H, hd]
     ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
