@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -210,70 +211,118 @@ def test_mismatched_layer_types_and_tensors(tmp_root, tmp_path):
 # --------------------------------------------------------------------------- engine
 
 
-ENGINE = dict(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=24,
-              max_prefill_chunk=32, max_num_batched_tokens=64, batch_buckets=(2,))
-PROMPT_LENS = (40, 27)  # both longer than the window; the first takes two prefill chunks
+# One row at a time, so each prompt's exits are its own (policy "all" leaves when every row
+# of the batch is confident); both prompts in one prefill bucket: two compiled programs.
+ENGINE = dict(max_num_seqs=1, max_model_len=64, page_size=16, num_pages=8,
+              max_prefill_chunk=32, max_num_batched_tokens=32, batch_buckets=(1,))
+PROMPT_LENS = (30, 25)  # both longer than the window
 MAX_NEW = 16
-EXIT = 2  # every decode token leaves after layer 2 (threshold 0 at the only exit)
+EXIT = 2  # the one exit: after layer 2 of 4
+REF_LEN = 64
 
 
 def _prompts():
     return [" ".join(WORDS[t] for t in tokens_for(n, seed=n)) for n in PROMPT_LENS]
 
 
-def _reference_forced_exit(cfg, params, heads, prompt, n_new):
-    """Greedy decoding with contiguous per-layer K/V: prefill at full depth, then every token
-    runs layers < EXIT, takes exit EXIT's head, and writes `kv_project` of its exit state
-    into the layers >= EXIT (the back-fill)."""
-    S = len(prompt) + n_new
-    kc = [jnp.zeros((S, cfg.n_kv_heads, cfg.head_dim))] * cfg.n_layers
-    vc = list(kc)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _ref_prefill(cfg, params, tokens):
+    """Full-depth K/V [L, REF_LEN, K, hd] of a right-padded prompt [REF_LEN] (each layer's
+    `kv_project` of its input from the dense forward), and the logits [REF_LEN, V]."""
+    logits, hidden = llama.forward(params, tokens[None], cfg, return_hidden=True)
+    inputs = jnp.concatenate([llama.embed(params, tokens[None], cfg)[None], hidden[:-1]])
+    pos = jnp.arange(REF_LEN)
+    kv = jax.vmap(lambda lp, x: llama.kv_project(lp, x[0], pos, cfg))(params["layers"], inputs)
+    return kv, logits[0]
 
-    @jax.jit
-    def layer(i, x, pos, kc, vc):
-        lp = llama.layer_params(params, i)
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _ref_token(cfg, params, heads, kv, token, pos, threshold):
+    """One decode token at `pos` over contiguous K/V [L, REF_LEN, K, hd] (no pages). Layers
+    < EXIT run; if exit EXIT's max-prob reaches `threshold` its head gives the logits and the
+    layers >= EXIT get `kv_project` of the exit state (the back-fill), else the remaining
+    layers run (attending to earlier tokens' back-filled entries) and the final head does.
+    Returns (kv, logits [V], confidence, left)."""
+    positions = pos[None]
+
+    def layer(i, x, ks, vs):
         def attend(q, k, v):
-            kc2, vc2 = kc.at[pos].set(k), vc.at[pos].set(v)
-            mask = llama.attention_weights_mask(pos, jnp.arange(S), window=llama.layer_window(
-                cfg, i))
-            return llama.gqa_attention(q, kc2, vc2, mask, scale=cfg.attn_scale,
-                                       softcap=cfg.attn_logit_softcap), (kc2, vc2)
+            k_all, v_all = ks.at[i, pos].set(k[0]), vs.at[i, pos].set(v[0])
+            mask = llama.attention_weights_mask(positions, jnp.arange(REF_LEN),
+                                                window=llama.layer_window(cfg, i))
+            out = llama.gqa_attention(q, k_all[i], v_all[i], mask, scale=cfg.attn_scale,
+                                      softcap=cfg.attn_logit_softcap)
+            return out, (k_all, v_all)
 
-        x, (kc, vc) = llama.decoder_layer(lp, x, pos, cfg, attend)
-        return x, kc, vc
+        return llama.decoder_layer(llama.layer_params(params, i), x, positions, cfg, attend)
 
-    x = llama.embed(params, jnp.asarray(prompt), cfg)
-    pos = jnp.arange(len(prompt))
-    for i in range(cfg.n_layers):
-        x, kc[i], vc[i] = layer(i, x, pos, kc[i], vc[i])
-    out = [int(jnp.argmax(llama.final_head(params, x[-1], cfg)))]
-    for p in range(len(prompt), len(prompt) + n_new - 1):
-        x = llama.embed(params, jnp.asarray([out[-1]]), cfg)
-        pos = jnp.asarray([p])
-        for i in range(EXIT):
-            x, kc[i], vc[i] = layer(i, x, pos, kc[i], vc[i])
-        for j in range(EXIT, cfg.n_layers):
-            k, v = llama.kv_project(llama.layer_params(params, j), x, pos, cfg)
-            kc[j], vc[j] = kc[j].at[pos].set(k), vc[j].at[pos].set(v)
-        out.append(int(jnp.argmax(exits.exit_logits(params, heads, 0, x[0], cfg))))
-    return out
+    x, (ks, vs) = llama.embed(params, token[None], cfg), kv
+    for i in range(EXIT):
+        x, (ks, vs) = layer(i, x, ks, vs)
+    exit_logits = exits.exit_logits(params, heads, 0, x[0], cfg)
+    conf = exits.confidence_from_logits(exit_logits, "max_prob")
+    left = conf >= threshold
+    filled, full = (ks, vs), (ks, vs)
+    for j in range(EXIT, cfg.n_layers):
+        k, v = llama.kv_project(llama.layer_params(params, j), x, positions, cfg)
+        filled = (filled[0].at[j, pos].set(k[0]), filled[1].at[j, pos].set(v[0]))
+    y = x
+    for j in range(EXIT, cfg.n_layers):
+        y, full = layer(j, y, *full)
+    kv = jax.tree.map(lambda a, b: jnp.where(left, a, b), filled, full)
+    logits = jnp.where(left, exit_logits, llama.final_head(params, y[0], cfg))
+    return kv, logits, conf, left
+
+
+def reference_decode(cfg, params, heads, prompt, n_new, threshold):
+    """Greedy early-exit decoding of one sequence with contiguous K/V: the prompt at full
+    depth, then each token leaves at EXIT when confident. Returns tokens, exit layers (L
+    for the prefill token) and the confidences seen."""
+    tokens = np.zeros(REF_LEN, np.int32)
+    tokens[:len(prompt)] = prompt
+    kv, logits = _ref_prefill(cfg, params, jnp.asarray(tokens))
+    out, layers, confs = [int(jnp.argmax(logits[len(prompt) - 1]))], [cfg.n_layers], []
+    for pos in range(len(prompt), len(prompt) + n_new - 1):
+        kv, logits, conf, left = _ref_token(cfg, params, heads, kv, jnp.asarray(out[-1]),
+                                            jnp.asarray(pos), jnp.float32(threshold))
+        out.append(int(jnp.argmax(logits)))
+        layers.append(EXIT if bool(left) else cfg.n_layers)
+        confs.append(float(conf))
+    return out, layers, confs
+
+
+def choose_threshold(cfg, params, heads, prompts):
+    """A threshold at which the reference leaves early for some tokens and later runs full
+    depth over their back-filled entries, with no confidence within 1e-4 of it (float noise
+    between paged and contiguous attention, ~1e-6, cannot flip a decision)."""
+    confs = np.sort([c for p in prompts
+                     for c in reference_decode(cfg, params, heads, p, MAX_NEW, 2.0)[2]])
+    middle = confs[len(confs) // 5: -len(confs) // 5]  # leave some tokens on either side
+    gaps = np.diff(middle)
+    for i in np.argsort(-gaps)[:8]:  # midpoints of the widest gaps first
+        thr = (middle[i] + middle[i + 1]) / 2
+        refs = [reference_decode(cfg, params, heads, p, MAX_NEW, thr) for p in prompts]
+        seen = [c for _, _, cs in refs for c in cs]
+        mixed = any(EXIT in ls and cfg.n_layers in ls[ls.index(EXIT):] for _, ls, _ in refs)
+        if mixed and min(abs(c - thr) for c in seen) > 1e-4:
+            return float(thr), refs
+    raise AssertionError("no usable threshold: change the model seed or the prompts")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma2"])
-def test_engine_greedy_matches_transformers_and_forced_exits_backfill(tmp_root, family):
+def test_engine_greedy_matches_transformers_and_backfill_holds(tmp_root, family):
     from ee_jax.serving.llm import LLM
 
     model, folder = hf_folder(family, tmp_root)
     hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
-    ec = ExitConfig(exit_layers=(EXIT,), threshold=0.0)
+    ec = ExitConfig(exit_layers=(EXIT,))
     llm = LLM(load_model(folder, progress=False), exit_config=ec, **ENGINE)
     texts = _prompts()
     ids = [llm.tokenizer.encode(t) for t in texts]
     assert ids == [hf_tok.encode(t) for t in texts]  # tokenizer.json read alike
     assert [len(i) for i in ids] == list(PROMPT_LENS)
 
-    # Full depth (per-request threshold no confidence reaches) == transformers' generate.
+    # Full depth (a threshold no confidence reaches) == transformers' greedy generate.
     full = llm.generate(texts, greedy(MAX_NEW, exit_threshold=NEVER), use_tqdm=False)
     with torch.no_grad():
         want = [model.generate(torch.tensor([i]), max_new_tokens=MAX_NEW, do_sample=False,
@@ -282,11 +331,118 @@ def test_engine_greedy_matches_transformers_and_forced_exits_backfill(tmp_root, 
     assert [o.token_ids for o in full] == want
     assert all(o.exit_layers == [4] * MAX_NEW for o in full)
 
-    # Every decode token leaves at EXIT; the skipped layers' K/V are back-filled.
-    early = llm.generate(texts, greedy(MAX_NEW), use_tqdm=False)
-    assert all(o.exit_layers == [4] + [EXIT] * (MAX_NEW - 1) for o in early)
-    lm = llm.model
-    heads = llm.engine.runner.exit_heads
-    ref = [_reference_forced_exit(lm.config, lm.params, heads, i, MAX_NEW) for i in ids]
-    assert [o.token_ids for o in early] == ref
-    assert ref != want  # the exit changed the tokens: the comparison is not vacuous
+    # Early exits, then full-depth tokens that attend to the back-filled layers: the engine
+    # follows the contiguous reference token for token and exit for exit.
+    lm, heads = llm.model, llm.engine.runner.exit_heads
+    thr, refs = choose_threshold(lm.config, lm.params, heads, ids)
+    early = llm.generate(texts, greedy(MAX_NEW, exit_threshold=thr), use_tqdm=False)
+    assert [o.exit_layers for o in early] == [layers for _, layers, _ in refs]
+    assert [o.token_ids for o in early] == [tokens for tokens, _, _ in refs]
+    assert [o.token_ids for o in early] != want  # the exits changed tokens: not vacuous
+
+
+# --------------------------------------------------------------------------- bf16 cache
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array | np.ndarray) \
+        else x
+
+
+class _SpyJit:
+    """`jax.jit` that remembers the abstract arguments of every call, so each compiled step
+    of an engine run can be compiled again and read, whatever the engine calls it."""
+
+    def __init__(self, real, calls):
+        self.real, self.calls = real, calls
+
+    def __call__(self, fun=None, **kw):
+        if fun is None:
+            return lambda f: self(f, **kw)
+        jitted = self.real(fun, **kw)
+        calls = self.calls
+
+        class Spied:
+            def __call__(self, *args, **kwargs):
+                abstract = jax.tree.map(_abstract, (args, kwargs))
+                calls.setdefault(str(abstract), (jitted, abstract))
+                return jitted(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(jitted, name)
+
+        return Spied()
+
+
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]\S* ([\w\-]+)\(")
+_HLO_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+
+
+def whole_array_ops(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """Instructions of compiled HLO text that produce a whole array of `shape` other than
+    in place: anything but parameters, tuple plumbing, bitcasts, and scatters /
+    dynamic-update-slices (bare or as a fusion's root), e.g. a convert or a copy."""
+    dims = ",".join(map(str, shape))
+    roots, ops, computation = {}, [], None
+    for line in hlo.splitlines():
+        head = _HLO_COMPUTATION.match(line)
+        if head:
+            computation = head.group(1)
+            continue
+        m = _HLO_OP.match(line)
+        if not m:
+            continue
+        if line.lstrip().startswith("ROOT"):
+            roots[computation] = m.group(3)
+        if m.group(2) == dims:
+            calls = _HLO_CALLS.search(line)
+            ops.append((m.group(1), m.group(3), calls and calls.group(1)))
+    in_place = {"scatter", "dynamic-update-slice"}
+    bad = []
+    for name, op, called in ops:
+        if op in {"parameter", "get-tuple-element", "bitcast"} | in_place:
+            continue
+        if op == "fusion" and roots.get(called) in in_place:
+            continue
+        bad.append(f"{name} = {op}" + (f" (root {roots.get(called)})" if called else ""))
+    return bad
+
+
+def test_whole_array_ops_sees_xla_cpu_16_bit_scatter():
+    """Negative control for the test below: XLA's CPU backend scatters into a bf16 array by
+    converting all of it to f32 and back; the check names those converts."""
+    buf = jnp.zeros((3, 97, 8), jnp.bfloat16)
+    fn = jax.jit(lambda b, u: b.at[1, jnp.asarray([2, 5])].set(u), donate_argnums=(0,))
+    bad = whole_array_ops(fn.lower(buf, jnp.ones((2, 8), jnp.bfloat16)).compile().as_text(),
+                          buf.shape)
+    assert any("convert" in b for b in bad), bad
+    f32 = jax.jit(lambda b, u: b.at[1, jnp.asarray([2, 5])].set(u), donate_argnums=(0,))
+    assert whole_array_ops(f32.lower(buf.astype(jnp.float32), jnp.ones((2, 8))).compile()
+                           .as_text(), buf.shape) == []
+
+
+def test_bf16_engine_steps_write_only_the_tokens_slots(monkeypatch):
+    """A bf16 model and bf16 cache, early exits on: no compiled step of the run (prefill,
+    decode with back-fill) converts or copies the cache; it is only scattered into."""
+    from ee_jax.serving.engine import EngineConfig, LLMEngine
+    from ee_jax.testing import tiny_model
+    from tests.reference import run_requests
+
+    cfg, params = tiny_model(seed=0, eos_token_ids=())
+    cfg, params = cfg.replace(dtype="bfloat16"), llama.cast_params(params, "bfloat16")
+    calls = {}
+    monkeypatch.setattr(jax, "jit", _SpyJit(jax.jit, calls))
+    engine = LLMEngine(cfg, params, None, EngineConfig(
+        max_num_seqs=2, max_model_len=64, page_size=8, num_pages=97, max_prefill_chunk=32,
+        max_num_batched_tokens=64, batch_buckets=(2,)),
+        ExitConfig(exit_layers=(1, 2), threshold=0.5))
+    run_requests(engine, [[5, 6, 7, 8, 9], [3, 4]], greedy(6))
+    monkeypatch.undo()
+    shape = engine.runner.cache.k.shape  # [L, 97, 8, K, hd]
+    steps = [(jitted, abstract) for jitted, abstract in calls.values()
+             if any(getattr(a, "shape", None) == shape for a in jax.tree.leaves(abstract))]
+    assert len(steps) >= 2, "expected a prefill and a decode step over the cache"
+    for jitted, (args, kwargs) in steps:
+        hlo = jitted.lower(*args, **kwargs).compile().as_text()
+        assert whole_array_ops(hlo, shape) == [], jitted
