@@ -22,22 +22,20 @@ sees no key (padding rows, kv_lens == 0) gives zeros. `layer` may be a traced in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ee_jax.serving.attention import AttentionMetadata, paged_attention
+from ee_jax.serving.attention import AttentionMetadata, Backend, paged_attention
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
-
-Backend = Callable[..., jax.Array]
 
 # Masked scores: finite, so that exp(m_old - m_new) of a row that has seen no key yet is
 # exp(0) or 0, never NaN (inf - inf).
 _NEG = -1e30
 # xla: keys per chunk of the online softmax, at least _CHUNK_KEYS and at least
-# _CHUNK_ELEMENTS / B (small batches pay more per loop iteration than per key). Measured on
-# CPU (bench/attention.py, SmolLM2 shapes, page size 16).
+# _CHUNK_ELEMENTS / B (small batches pay more per loop iteration than per key). Chosen on CPU
+# (bench/attention.py, SmolLM2 shapes, page size 16): 64-128 keys were best at batch 32,
+# larger chunks no worse at batch 1-8, within the noise of a shared 2-core machine.
 _CHUNK_KEYS = 128
 _CHUNK_ELEMENTS = 2048
 
@@ -226,15 +224,18 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     partitions merged afterwards; block_h must be a multiple of 16 (3 query heads per kv head
     in SmolLM2 are padded to 16). `interpret=True` runs it on CPU (tests).
     """
-    *_, hd, _S, W = _check(q, cache, meta)
+    *_, hd, S, W = _check(q, cache, meta)
     if not _kernel_applies(q, window, softcap):
         return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 
     scale = hd ** -0.5 if scale is None else float(scale)
-    k_splits = min(16, W)
+    # Up to 16 partitions of each row's table; blocks of the kernel's loop of a power-of-two
+    # number of pages, up to 8, and at least 16 keys (Triton's dot needs 16 on each side).
+    min_pages = -(-16 // S)
+    k_splits = max(1, min(16, W // min_pages))
     per_split = -(-W // k_splits)
-    pages_per_block = min(8, per_split)
+    pages_per_block = max(min_pages, min(8, 1 << (per_split - 1).bit_length()))
     per_split = -(-per_split // pages_per_block) * pages_per_block
     k_pages, v_pages, table = layer_pages(cache, layer, meta.page_table)
     table = _pad_columns(table, k_splits * per_split)
