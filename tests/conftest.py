@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+# Eight simulated CPU devices for the sharding tests (read when JAX starts its CPU backend,
+# before any test runs); unsharded code keeps using the first device.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
 import pytest
 from hypothesis import settings
 

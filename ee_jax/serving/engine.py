@@ -24,6 +24,7 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
+from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
@@ -34,6 +35,7 @@ from ee_jax.serving.params import (
     SamplingParams,
 )
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
+from ee_jax.serving.sharding import MeshSpec
 
 PENDING = -1  # a sampled token the host has not read yet (overlapped steps)
 
@@ -82,6 +84,9 @@ class EngineConfig:
     # JAX's persistent compilation cache: a restarted engine loads its programs instead of
     # compiling them again. None: off.
     compilation_cache_dir: str | None = "~/.cache/ee-jax/xla"
+    # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
+    # dp (ee_jax.serving.sharding); None: one device.
+    mesh: str | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -221,10 +226,18 @@ class LLMEngine:
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         self.exit_config = exit_config
+        mesh = cache_sharding = None
+        if config.mesh:
+            spec = MeshSpec.parse(config.mesh)
+            spec.validate_for(cfg)
+            mesh = spec.make_mesh()
+            cache_sharding = sharding.cache_sharding(cfg, mesh)
+        self.mesh = mesh
         self.runner = ModelRunner(cfg, params,
-                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype),
+                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
+                                                 sharding=cache_sharding),
                                   exit_config, exit_heads, attention=config.attention,
-                                  max_batch=max(config.batch_buckets))
+                                  max_batch=max(config.batch_buckets), mesh=mesh)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read
         self._waited = 0.0  # seconds this step() call waited for the device

@@ -14,9 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.serving import sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
@@ -140,9 +142,10 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
                  exit_config: exits.ExitConfig | None = None, exit_heads=None,
-                 attention: str = "reference", max_batch: int = 64):
+                 attention: str = "reference", max_batch: int = 64,
+                 mesh: Mesh | None = None):
         self.cfg = cfg
-        self.params = params
+        self.mesh = mesh
         self.cache = cache
         self.exit_config = exit_config
         self.attention = attention
@@ -151,13 +154,24 @@ class ModelRunner:
             if exit_heads is None:
                 exit_heads = exits.init_heads(cfg, exit_config, params)
             exits.check_heads(cfg, exit_config, exit_heads)
-        self.exit_heads = exit_heads
+        self.params, self.exit_heads = params, exit_heads
+        jit_kw: dict[str, Any] = {}
+        if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
+            self.params = sharding.shard(params, sharding.param_shardings(params, cfg, mesh))
+            if exit_heads is not None:
+                self.exit_heads = sharding.shard(
+                    exit_heads, sharding.param_shardings(exit_heads, cfg, mesh))
+            rep = sharding.replicated(mesh)
+            jit_kw["out_shardings"] = (sharding.cache_sharding(cfg, mesh), rep, rep)
         self.traces: dict[StepShape, int] = {}
         self.max_batch = max_batch
         # The last step's sampled tokens, on the device, padded to max_batch: the next step
         # reads its decode rows' inputs from here before the host has seen them.
         self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
-        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,))
+        if mesh is not None:
+            self.last_tokens = jax.device_put(self.last_tokens, sharding.replicated(mesh))
+        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
+                             **jit_kw)
 
     def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
                    last_tokens: jax.Array):
@@ -168,6 +182,9 @@ class ModelRunner:
             src = inp["src_row"]
             from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
             tokens = jnp.where(src >= 0, from_device, tokens[:, 0])[:, None]
+        if self.mesh is not None and self.mesh.shape["dp"] > 1:  # rows over dp
+            tokens = jax.lax.with_sharding_constraint(tokens,
+                                                      sharding.batch_sharding(self.mesh, 2))
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
         policy = policy_for(self.exit_config, shape.kind)
         result, cache = model_step(params, heads, cache, tokens, meta, inp["last_idx"],
@@ -185,7 +202,8 @@ class ModelRunner:
         if batch.shape.batch > self.max_batch:
             raise ValueError(f"a step of {batch.shape.batch} rows exceeds max_batch "
                              f"{self.max_batch}")
-        buf = jax.device_put(batch.pack())  # a transfer (jnp.asarray compiles per shape)
+        buf = jax.device_put(batch.pack(),  # a transfer (jnp.asarray compiles per shape)
+                             None if self.mesh is None else sharding.replicated(self.mesh))
         self.cache, out, self.last_tokens = self._step(
             batch.shape, self.params, self.exit_heads, self.cache, buf, self.last_tokens)
         return out

@@ -1,0 +1,81 @@
+"""Sharded serving on simulated CPU devices (conftest asks XLA for 8) against one device.
+
+Tensor parallel splits matmul reductions across devices, so logits differ from one device's
+by float rounding only: greedy tokens and back-filled cache entries must agree."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ee_jax.models import exits
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import greedy
+from ee_jax.serving.sharding import MeshError, MeshSpec, logical_rules
+from ee_jax.testing import tiny_model
+from tests.reference import dense_greedy, run_requests
+
+# 8 query heads, 2 KV heads (replicated once tp > 2), MLP 96 and vocabulary 128 divide by 8.
+CFG, PARAMS = tiny_model(seed=5, n_heads=8, n_kv_heads=2, head_dim=8, eos_token_ids=())
+RNG = np.random.default_rng(1)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (5, 19, 2, 11)]
+NEW = 8
+MESHES = [None, "tp=4", "tp=2,dp=2", "tp=8", "dp=8"]
+POLICIES = {
+    "full": None,
+    "all": exits.ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
+    "per_row": exits.ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
+}
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 devices (XLA_FLAGS, set in conftest.py)")
+
+
+def _serve(mesh: str | None, ec):
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+        max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, max_prefill_chunk=16,
+        batch_buckets=(1, 2, 4), mesh=mesh), exit_config=ec)
+    outs = run_requests(engine, PROMPTS, greedy(NEW))
+    cache = engine.runner.cache
+    return [o.token_ids for o in outs], np.asarray(cache.k), np.asarray(cache.v), engine
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {name: _serve(None, ec) for name, ec in POLICIES.items()}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("mesh", MESHES[1:])
+def test_sharded_engine_equals_one_device(one_device, mesh, policy):
+    tokens, k, v, engine = _serve(mesh, POLICIES[policy])
+    ref_tokens, ref_k, ref_v, _ = one_device[policy]
+    assert tokens == ref_tokens
+    if policy == "full":
+        assert tokens == [dense_greedy(CFG, PARAMS, p, NEW) for p in PROMPTS]
+    else:  # every decode token left at the forced exit: the back-fill wrote layers 2..3
+        assert set(engine.stats.row_exit_counts) == {2}
+    # The cache, back-filled entries included, equals one device's.
+    np.testing.assert_allclose(k, ref_k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, ref_v, rtol=1e-5, atol=1e-5)
+    spec = MeshSpec.parse(mesh)
+    wq = engine.runner.params["layers"]["wq"]
+    assert len(wq.sharding.device_set) == spec.size
+    if spec.tp > 1:  # the query projection is split over heads, the cache over KV heads
+        assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // spec.tp
+        kv_split = logical_rules(CFG, engine.mesh)["kv_heads"] == "tp"
+        assert kv_split == (CFG.n_kv_heads % spec.tp == 0)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("tp=3", "does not divide the model's n_heads"),
+    ("dp=16", "needs 16 devices"),
+    ("tp=2,pp=2", "cannot read mesh spec"),
+    ("tp=0", "positive integer"),
+    ("tp=2,tp=4", "twice"),
+])
+def test_bad_meshes_are_refused_clearly(spec, match):
+    with pytest.raises(MeshError, match=match):
+        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40,
+                                                  mesh=spec))
