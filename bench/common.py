@@ -7,14 +7,14 @@ Conventions (DESIGN.md section 7, issue 13 part 6):
   alone serves the heads shipped for a registry model, so it is not full depth.
 * `serve` drives the step-wise engine (`add_request` / `step`), the same loop whether the
   caller holds an `LLM` or an `LLMEngine`; its stats are the engine's stats of that call only
-  (a difference of two snapshots: `engine.stats` is never replaced). A warm-up call first
+  (`EngineStats.snapshot` / `since`: `engine.stats` is never replaced). A warm-up call first
   compiles every program the measured call needs; compile time is reported apart.
-* The ideal speed-up counts the LM head in layer-equivalents (`ideal_speedup`).
+* The ideal speed-up counts the LM head in layer-equivalents (`ideal_speedup`: the engine's
+  cost model).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import os
@@ -330,64 +330,18 @@ def load_prompts(kind: str, tokenizer, n: int, lo: int = 0, hi: int = 10**9,
 # --------------------------------------------------------------------------- stats
 
 
-def stats_snapshot(engine):
-    """A copy of the engine's cumulative stats (never replaced, only read)."""
-    return copy.deepcopy(engine.stats)
-
-
-def stats_delta(before, after):
-    """The stats of the steps between two snapshots: numbers subtracted, count dicts
-    subtracted per key (empty keys dropped), maxima and anything else taken from `after`."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(after):
-        a, b = getattr(after, f.name), getattr(before, f.name, None)
-        if f.name.startswith("max_"):
-            kw[f.name] = a
-        elif isinstance(a, int | float) and not isinstance(a, bool) and b is not None:
-            kw[f.name] = a - b
-        elif isinstance(a, dict) and isinstance(b, dict):
-            d = {k: v - b.get(k, 0) for k, v in a.items()}
-            kw[f.name] = {k: v for k, v in d.items() if v}
-        else:
-            kw[f.name] = copy.deepcopy(a)
-    return type(after)(**kw)
-
-
-def per_layer_macs(cfg) -> int:
-    """Weight multiply-adds of one decoder layer for one token (attention over keys left out:
-    it depends on the context and is small at the lengths benchmarked)."""
-    D, F = cfg.d_model, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return D * q + 2 * D * kv + q * D + 3 * D * F
-
-
 def head_layers(cfg) -> float:
     """The LM head (vocab x d_model) in layer-equivalents: about 8 for SmolLM2-135M."""
-    return cfg.vocab_size * cfg.d_model / per_layer_macs(cfg)
+    from ee_jax.models.exits import layer_macs
+
+    return cfg.vocab_size * cfg.d_model / layer_macs(cfg)
 
 
 def ideal_speedup(stats, cfg, exit_config=None) -> float:
-    """(L + head) / (mean layers + exit head + checks), in layer-equivalents.
-
-    mean layers: per decoded row. Checks that project onto the vocabulary cost a head each
-    (per decode step, every row in it); when the measure projects onto the vocabulary the
-    token that leaves at an exit reuses its check's logits, so only rows at full depth pay
-    the final head again. An adapter / MLP exit head adds its 2 x d x rank per application.
-    Full depth gives exactly 1."""
-    L, head = cfg.n_layers, head_layers(cfg)
-    rows = stats.num_decode_rows
-    if not rows or exit_config is None:
-        return 1.0
-    mean = stats.decode_row_layers / rows
-    checks = stats.vocab_checks / max(1, stats.num_decode_steps)  # per row of a step
-    full_share = stats.row_exit_counts.get(L, 0) / rows
-    needs_vocab = getattr(exit_config, "needs_vocab", False)
-    final = head * (full_share if needs_vocab else 1.0)
-    adapter = 0.0
-    if getattr(exit_config, "head", "norm") in ("adapter", "mlp"):
-        adapter = 2 * cfg.d_model * exit_config.adapter_rank / per_layer_macs(cfg)
-        adapter *= checks + (1 - full_share)
-    return (L + head) / (mean + final + checks * head + adapter)
+    """(L + head) / (mean layers + exit head + checks) per decoded row, in layer-equivalents:
+    the engine's own cost model (`EngineStats.ideal_speedup_with_head`, `exits.cost_model`),
+    one implementation for the engine, the CLI and the benchmarks. Full depth: 1."""
+    return stats.ideal_speedup_with_head(cfg, exit_config)
 
 
 def exit_summary(stats, cfg, exit_config=None) -> dict:
@@ -545,7 +499,7 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
     step_walls: list[float] = []
     step_kinds: list[str] = []
     step_device: list[float] = []
-    before = stats_snapshot(engine)
+    before = engine.stats.snapshot()  # engine.stats itself is never replaced
     sync = _SyncedRunner(engine.runner) if split_host and hasattr(engine, "runner") else None
     nxt = 0
     aborted: set[int] = set()
@@ -607,7 +561,7 @@ def serve(llm_or_engine, prompts: Sequence, params, *, split_host: bool = False,
     for i, a in enumerate(arrivals):
         if i not in done:
             raise RuntimeError(f"request {i} (arrival {a:.2f} s) never finished")
-    stats = stats_delta(before, engine.stats)
+    stats = engine.stats.since(before)
     return Served(outputs=[done[i] for i in range(n)], wall=m.wall, stats=stats,
                   contention=m.contention, arrival=arrival, token_times=token_times,
                   step_walls=step_walls, step_kinds=step_kinds,

@@ -12,7 +12,7 @@ In one process, after warm-up, compile time apart:
      vs full depth, the batch exit-layer histogram, mean layers, ideal speedup, greedy
      agreement with full depth, for thresholds 0.8 / 0.9 / 0.95 and policies all / quorum.
      Full depth is the engine built with `early_exit=False`. The ideal counts the LM head
-     (bench.common.ideal_speedup): (L + head) / (mean layers + exit head + checks).
+     (`exits.cost_model`): (L + head) / (mean layers + exit head + checks).
 `--random` uses same-shape random weights (no GGUF needed; speed only, for accelerators).
 """
 

@@ -232,7 +232,7 @@ def render(ctx) -> str:
                        f"{v['mean']:.1f} | {v['ideal']:.2f}x | "
                        f"{v['ratio'] / v['ideal']:.2f} | {v['work']:.2f} |")
     out += ["", "Ideal, head counted: (L + head) / (mean layers + exit head + checks) in "
-            "layer-equivalents (`bench.common.ideal_speedup`). "
+            "layer-equivalents (the engine's cost model, `exits.cost_model`). "
             "TF agreement: share of decode tokens where the policy's own prediction equals "
             "the full-depth token (teacher forced). Row-layers computed / full: the rows the "
             "layers actually ran on (per_row: the compacted bucket, padding rows included), "

@@ -17,8 +17,10 @@ For each offered rate (requests/s), one arrival schedule (exponential gaps, seed
   `--static engine`: the full-depth engine admitting a new batch only when idle.
 
 The engine runs in this process (`bench.common.serve`: `add_request` / `step`, arrivals
-injected between steps by wall clock). Every engine is warmed up first on batches of 1, 2, 4,
-... --batch of the same prompts (compiles apart; the table shows any compile during a run).
+injected between steps by wall clock). Every engine is compiled first (`--warmup precompile`:
+`LLMEngine.precompile()`, every step shape the scheduler can produce; `buckets`: serving
+batches of 1, 2, 4, ... --batch of the same prompts); compile time is reported apart and the
+table shows any compile during a run.
 A run stops at --time-limit seconds: unfinished requests are aborted and counted as such.
 
 Per run: completed requests, output tokens/s and requests/s over the run, time to first token
@@ -133,14 +135,16 @@ def run_static_hf(runner: HFRunner, rate, prompts, arrivals, args) -> dict:
                      arrivals, token_times, completed)
 
 
-def warm_up(llm, prompts, params, batch: int) -> float:
-    """Serve batches of 1, 2, 4, ... `batch` prompts (every bucket a Poisson run is likely to
-    meet gets compiled); returns the compile time."""
+def warm_up(llm, prompts, params, batch: int, how: str) -> float:
+    """precompile: every step shape the scheduler can produce; buckets: serve batches of 1,
+    2, 4, ... `batch` prompts. Returns the compile time."""
+    if how == "precompile":
+        before = llm.engine.stats.snapshot()
+        n = llm.engine.precompile(progress=False)
+        log(f"  {n} programs")
+        return llm.engine.stats.since(before).compile_time
     sizes = sorted({min(batch, 2**k) for k in range(batch.bit_length() + 1)})
-    total = 0.0
-    for b in sizes:
-        total += serve(llm, prompts[:b], params).compile_time
-    return total
+    return sum(serve(llm, prompts[:b], params).compile_time for b in sizes)
 
 
 # --------------------------------------------------------------------------- report
@@ -217,6 +221,7 @@ def parse_args(argv):
     p.add_argument("--modes", nargs="+", default=["full", "early", "static"],
                    choices=("full", "early", "static"))
     p.add_argument("--static", choices=("hf", "engine"), default="hf")
+    p.add_argument("--warmup", choices=("precompile", "buckets"), default="precompile")
     p.add_argument("--threshold", type=float, default=None,
                    help="exit threshold (default: the shipped heads' own)")
     p.add_argument("--seed", type=int, default=0)
@@ -273,8 +278,8 @@ def main(argv=None) -> int:
     if "early" in args.modes:
         engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads, **kw)
     for name, llm in engines.items():
-        log(f"warm-up {name}: batches 1 .. {args.batch}")
-        compile_s[name] = warm_up(llm, prompts, params, args.batch)
+        log(f"warm-up {name} ({args.warmup})")
+        compile_s[name] = warm_up(llm, prompts, params, args.batch, args.warmup)
     runner = None
     if "static" in args.modes and args.static == "hf":
         runner = hf_runner(hf, m)
@@ -311,7 +316,8 @@ def main(argv=None) -> int:
                static=(f"transformers generate, batches of up to {args.batch}"
                        if args.static == "hf" else
                        f"the full-depth engine admitting up to {args.batch} when idle"),
-               compile=", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()) or "-",
+               compile=(", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()) or "-")
+               + f" ({args.warmup})",
                rows=rows, saturation=saturation_rate(static_rows))
     text = render(ctx)
     print(text)

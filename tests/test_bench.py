@@ -6,17 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.common import (
-    head_layers,
-    ideal_speedup,
-    serve,
-    smollm2_shaped_config,
-    stats_delta,
-)
+from bench.common import exit_summary, head_layers, serve, smollm2_shaped_config
 from bench.poisson import arrival_times, summarize
-from ee_jax.models.exits import ExitConfig
 from ee_jax.models.loading import LoadedModel
-from ee_jax.serving.engine import EngineStats
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
 from ee_jax.testing import tiny_model
@@ -71,33 +63,12 @@ def test_time_limit_aborts_what_is_unfinished(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_stats_delta():
-    before = EngineStats(num_decode_steps=3, decode_time=1.5, max_pages_used=4,
-                         row_exit_counts={2: 1, 4: 5})
-    after = EngineStats(num_decode_steps=5, decode_time=2.0, max_pages_used=6,
-                        row_exit_counts={2: 1, 4: 8, 3: 2})
-    d = stats_delta(before, after)
-    assert (d.num_decode_steps, d.decode_time, d.max_pages_used) == (2, 0.5, 6)
-    assert d.row_exit_counts == {4: 3, 3: 2}
-
-
-def test_ideal_counts_the_head():
-    cfg = smollm2_shaped_config()
+def test_head_in_layer_equivalents_and_full_depth_ideal(llm):
     # DESIGN.md: 49,152 x 576 = 28.3M multiply-adds, about 8 of SmolLM2-135M's layers.
-    head = head_layers(cfg)
-    assert 7.5 < head < 8.5
-    L = cfg.n_layers
-    assert ideal_speedup(EngineStats(num_decode_rows=4, decode_row_layers=4 * L), cfg) == 1.0
-    # Classifier measure (no vocabulary check): half the rows at 10, half at L.
-    ec = ExitConfig(exit_layers=(10,), measure="classifier")
-    s = EngineStats(num_decode_steps=2, num_decode_rows=4, decode_row_layers=2 * 10 + 2 * L,
-                    row_exit_counts={10: 2, L: 2})
-    assert ideal_speedup(s, cfg, ec) == pytest.approx((L + head) / (20 + head))
-    # max_prob: one vocabulary check per step; leaving rows reuse its logits.
-    ec = ExitConfig(exit_layers=(10,), measure="max_prob")
-    s = EngineStats(num_decode_steps=2, num_decode_rows=4, decode_row_layers=2 * 10 + 2 * L,
-                    row_exit_counts={10: 2, L: 2}, vocab_checks=2)
-    assert ideal_speedup(s, cfg, ec) == pytest.approx((L + head) / (20 + head / 2 + head))
+    assert 7.5 < head_layers(smollm2_shaped_config()) < 8.5
+    res = serve(llm, PROMPTS[:2], greedy(3))
+    ex = exit_summary(res.stats, CFG)  # full depth: every row at L, ideal 1
+    assert (ex["row_hist"], ex["mean_layers"], ex["ideal"]) == (f"{CFG.n_layers}:4", 4.0, 1.0)
 
 
 def test_poisson_arrivals_and_summary():
