@@ -2,6 +2,8 @@
 
     python -m bench.attention                               # CPU: reference vs xla
     python -m bench.attention --backends reference xla pallas_gpu layout_copy --batches 8 32 128
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+        python -m bench.attention                           # CPU, one thread: steadier when shared
 
 SmolLM2-135M's attention shapes (9 query / 3 kv heads of 64, page size 16), random f32 data;
 rows hold about 250 tokens (220-280) in a bucket of 32 pages (512 keys), distinct random pages,
