@@ -520,6 +520,17 @@ class LLMEngine:
             predicted_token_ids=(list(seq.predicted_token_ids) if seq.params.forced_tokens
                                  else None))
 
+    # -- several processes -------------------------------------------------------------
+
+    def follow(self) -> int:
+        """On a follower process (not process 0): run the leader's steps until it stops
+        (`ee_jax.serving.distributed`). Returns the number of steps run."""
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        """On the leader: tell the followers no step follows."""
+        self.runner.stop_followers()
+
     # -- compiling ahead -------------------------------------------------------------------
 
     def precompile(self, kinds: tuple[str, ...] = ("decode", "prefill"), *,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.serving import sharding
+from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
@@ -111,6 +111,9 @@ def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
     return out
 
 
+_KINDS = ("decode", "prefill")
+
+
 def sampling_tensors(inp: dict[str, jax.Array]) -> SamplingTensors:
     return SamplingTensors(temperature=inp["temperature"], top_k=inp["top_k"],
                            top_p=inp["top_p"], seeds=inp["seeds"].astype(jnp.uint32),
@@ -169,7 +172,7 @@ class ModelRunner:
         # reads its decode rows' inputs from here before the host has seen them.
         self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
         if mesh is not None:
-            self.last_tokens = jax.device_put(self.last_tokens, sharding.replicated(mesh))
+            self.last_tokens = sharding.shard(self.last_tokens, sharding.replicated(mesh))
         self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
                              **jit_kw)
 
@@ -198,15 +201,45 @@ class ModelRunner:
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step without waiting for it; returns the device result (read it with
-        `unpack_results(np.asarray(r))`, which waits)."""
+        `unpack_results(np.asarray(r))`, which waits). Several processes: the leader calls
+        this, and it broadcasts the step to the followers (`follow`) first."""
         if batch.shape.batch > self.max_batch:
             raise ValueError(f"a step of {batch.shape.batch} rows exceeds max_batch "
                              f"{self.max_batch}")
-        buf = jax.device_put(batch.pack(),  # a transfer (jnp.asarray compiles per shape)
-                             None if self.mesh is None else sharding.replicated(self.mesh))
+        buf = batch.pack()
+        if distributed.is_multiprocess():
+            s = batch.shape
+            distributed.broadcast_header(np.asarray(
+                [distributed.GO, s.batch, s.tokens, s.pages, _KINDS.index(s.kind)], np.int32))
+            distributed.broadcast_buffer(buf, s.size)
+        out = self._launch(batch.shape, buf)
+        return out.addressable_data(0) if distributed.is_multiprocess() else out
+
+    def _launch(self, shape: StepShape, buf: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            dev = jax.device_put(buf)  # a transfer (jnp.asarray compiles per shape)
+        else:
+            dev = sharding.shard(buf, sharding.replicated(self.mesh))
         self.cache, out, self.last_tokens = self._step(
-            batch.shape, self.params, self.exit_heads, self.cache, buf, self.last_tokens)
+            shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens)
         return out
+
+    def follow(self) -> int:
+        """A follower process's loop: run every step the leader broadcasts, until it stops.
+        Returns the number of steps run."""
+        n = 0
+        while True:
+            go, b, t, w, kind = distributed.broadcast_header(None).tolist()
+            if go == distributed.STOP:
+                return n
+            shape = StepShape(b, t, w, kind=_KINDS[kind])
+            self._launch(shape, distributed.broadcast_buffer(None, shape.size))
+            n += 1
+
+    def stop_followers(self) -> None:
+        """The leader's word that no step follows (followers' `follow` returns)."""
+        if distributed.is_multiprocess() and distributed.is_leader():
+            distributed.broadcast_header(np.zeros(5, np.int32))
 
     def compile(self, shape: StepShape) -> None:
         """Compile the step of `shape` ahead of time, without running it (jit reuses the

@@ -146,7 +146,12 @@ def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
 
 
 def shard(tree: Any, shardings: Any) -> Any:
-    """Place every leaf on its sharding (host arrays go straight to their shards)."""
+    """Place every leaf on its sharding (host arrays go straight to their shards; with
+    several processes, each process places its own devices' shards)."""
+    if jax.process_count() > 1:
+        from ee_jax.serving.distributed import global_array
+
+        return jax.tree.map(lambda a, s: global_array(np.asarray(a), s), tree, shardings)
     return jax.tree.map(jax.device_put, tree, shardings)
 
 
