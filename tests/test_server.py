@@ -346,6 +346,25 @@ def test_metrics_count_what_was_served(served):
     assert streamed[-1].choices[0].finish_reason is not None
 
 
+# ------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num-pages", "64"], "cannot hold one sequence"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--exit-layers", "1,9"], "out of range"),
+    (["--max-model-len", "99999"], "context length"),
+    (["--model", "/no/such/model.gguf"], "no such registry name or path"),
+])
+def test_cli_mistakes_end_in_one_line(argv, words, capsys):
+    from ee_jax.cli import main
+
+    args = ["generate", "--model", "random", "--prompt", "hi", "--quiet", *argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ee-jax: error: ") and words in err[0], err
+
+
 # ----------------------------------------------------------------- shutdown (runs last)
 
 
