@@ -52,10 +52,10 @@ FAMILIES = {
 WORDS = ["<pad>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
 
 
-def make_hf(family: str, seed: int = 0):
+def make_hf(family: str, seed: int = 0, **changes):
     """A tiny transformers model of `family`, f32, eval mode, norms and biases perturbed."""
     config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**DIMS, **overrides})
+    config = getattr(transformers, config_cls)(**{**DIMS, **overrides, **changes})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
@@ -206,6 +206,90 @@ def test_mismatched_layer_types_and_tensors(tmp_root, tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"tensors a qwen3 model does not use.*"
                                                     r"q_proj\.bias"):
         load_hf(copy)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def write_family_gguf(path, family: str, model) -> None:
+    """The GGUF llama.cpp's converter writes for a Qwen2 / Qwen3 / Gemma 2 model (written out
+    here from its documented layout): HF-layout [out, in] tensors unpermuted (these archs use
+    NEOX RoPE), Gemma norms stored as 1 + w, the family's metadata under its arch name."""
+    import gguf
+
+    arch = family.split("-")[0]
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", c.num_hidden_layers),
+                       ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size),
+                       ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads),
+                       ("attention.key_length", c.head_dim), ("vocab_size", c.vocab_size),
+                       ("attention.value_length", c.head_dim)]:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    if arch == "gemma2":
+        w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+        w.add_float32(f"{arch}.attn_logit_softcapping", c.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", c.final_logit_softcapping)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "post_attention_layernorm": "post_attention_norm" if arch == "gemma2" else "ffn_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        stem, kind = name.rsplit(".", 1)
+        layer = None
+        if stem.startswith("model.layers."):
+            _, _, layer, stem = stem.split(".", 3)
+        base = names[stem]
+        a = t.detach().float().numpy()
+        if arch == "gemma2" and stem.endswith("norm"):
+            a = a + 1.0
+        w.add_tensor(f"blk.{layer}.{base}.{kind}" if layer is not None else f"{base}.{kind}",
+                     np.ascontiguousarray(a, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# transformers' GGUF reader ignores key_length: head_dim is its config default there (Qwen2:
+# d_model / heads, Qwen3: 128).
+@pytest.mark.parametrize("family, head_dim", [("qwen2", 12), ("qwen3", 128), ("gemma2", 16)])
+def test_gguf_families_load_as_their_hf_folder(tmp_path, family, head_dim):
+    """The GGUF of a family model loads to the Hugging Face folder's config and weights (the
+    1 + w norms undone, to f32 rounding); for Qwen, transformers' own GGUF reader agrees on
+    the logits."""
+    from ee_jax.models.gguf import load_gguf
+
+    model, folder = make_hf(family, head_dim=head_dim), tmp_path / "hf"
+    model.save_pretrained(folder, safe_serialization=True)
+    path = tmp_path / f"{family}.gguf"
+    write_family_gguf(path, family, model)
+    cfg, params = load_gguf(path)
+    hf_cfg, hf_params = load_hf(folder)
+    if family == "gemma2":  # llama.cpp scales Gemma 2's scores by 1/sqrt(head_dim)
+        hf_cfg = hf_cfg.replace(query_pre_attn_scalar=float(hf_cfg.head_dim))
+    assert cfg == hf_cfg.replace(name=cfg.name)
+    for (key, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
+                           jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-7, rtol=0,
+                                   err_msg=str(key))
+    if family != "gemma2":  # transformers reads Gemma 2 GGUF caps and scalar as defaults
+        gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=path.name, dtype=torch.float32)
+        tokens = tokens_for(SEQ // 2)
+        ours = np.asarray(_forward(params, jnp.asarray(tokens)[None], cfg))[0]
+        np.testing.assert_allclose(ours, hf_logits(gguf_model, tokens), atol=1e-4, rtol=0)
 
 
 # --------------------------------------------------------------------------- engine

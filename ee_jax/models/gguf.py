@@ -18,10 +18,19 @@ Three things differ from the Hugging Face layout and are undone here:
   with `n` = query heads for Q and kv heads for K. `unpermute_qk_rows` is the inverse.
 * Llama-3 RoPE scaling is not metadata but a tensor, `rope_freqs.weight`: per-frequency
   divisors. `RopeScaling` is recovered from it and checked to reproduce it exactly.
+
+Families (`ARCHS`, by `general.architecture`): llama (Llama, SmolLM2, Mistral), qwen2 (q/k/v
+biases), qwen3 (q/k norms) and gemma2. llama.cpp runs the last three with NEOX (rotate-half)
+RoPE, so their Q/K rows are stored unpermuted; its Gemma converter stores norm weights as
+1 + w, which is undone here (exact for weights in [-0.5, 1]) so that `ModelConfig` and the
+tree are those of the Hugging Face folder. llama.cpp keeps no query_pre_attn_scalar for
+Gemma 2: it scales by 1/sqrt(head_dim), or by 1/sqrt(d_model / heads) for the 46-layer
+(27B) model, and so does this loader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -50,6 +59,40 @@ LAYER_TENSORS = {
 }
 GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A `general.architecture`: the ModelConfig switches it sets, its per-layer tensors
+    beyond `LAYER_TENSORS` ((base, "weight" | "bias") -> our key), and whether llama.cpp
+    permuted its Q/K rows and stored its norms as 1 + w."""
+
+    switches: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tensors: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    permuted_qk: bool = False
+    norms_plus_one: bool = False
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch(permuted_qk=True),
+    "qwen2": Arch(switches={"qkv_bias": True},
+                  tensors={("attn_q", "bias"): "bq", ("attn_k", "bias"): "bk",
+                           ("attn_v", "bias"): "bv"}),
+    "qwen3": Arch(switches={"qk_norm": True},
+                  tensors={("attn_q_norm", "weight"): "q_norm",
+                           ("attn_k_norm", "weight"): "k_norm"}),
+    "gemma2": Arch(switches={"norm_offset": 1.0, "embed_scale": True, "post_norms": True,
+                             "activation": "gelu_tanh"},
+                   tensors={("post_attention_norm", "weight"): "post_attn_norm",
+                            ("post_ffw_norm", "weight"): "post_mlp_norm"},
+                   norms_plus_one=True),
+}
+
+
+def layer_tensors(arch: str) -> dict[tuple[str, str], str]:
+    """(GGUF base name, "weight" | "bias") -> our layer key, for this architecture."""
+    return {**{(base, "weight"): key for base, key in LAYER_TENSORS.items()},
+            **ARCHS[arch].tensors}
 
 _MISSING = object()
 
@@ -233,12 +276,12 @@ def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
     reader = path_or_reader if hasattr(path_or_reader, "tensors") else _open(path_or_reader)
     source = _source(reader)
     arch = _value(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in ARCHS:
         raise UnsupportedModelError(
-            f"{source}: general.architecture is {arch!r}; ee-jax implements the Llama family "
-            "only (general.architecture 'llama': Llama 2/3, SmolLM2, Mistral). Use a llama "
-            "GGUF.")
-    p = "llama."
+            f"{source}: general.architecture is {arch!r}; ee-jax implements "
+            f"{' / '.join(repr(a) for a in ARCHS)} (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, "
+            "Qwen3, Gemma 2). Use a GGUF of one of those.")
+    p = arch + "."
     tensors = _tensor_index(reader)
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{source} has no 'token_embd.weight' tensor; it is not a complete "
@@ -277,6 +320,21 @@ def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
         rope_scaling = _rope_scaling_from_freqs(_dequantize(tensors[ROPE_FREQS], source),
                                                 rope_theta, head_dim, source)
 
+    switches = dict(ARCHS[arch].switches)
+    n_layers = int(_value(reader, p + "block_count"))
+    if arch == "gemma2":
+        window = _value(reader, p + "attention.sliding_window", None)
+        softcaps = {key: _value(reader, p + key, None)
+                    for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        switches.update(
+            attn_logit_softcap=softcaps["attn_logit_softcapping"] or None,
+            final_logit_softcap=softcaps["final_logit_softcapping"] or None,
+            query_pre_attn_scalar=float(d // n_heads if n_layers == 46 else head_dim),
+            sliding_window=int(window) if window else None,
+            # llama.cpp: every even layer local, odd layers global
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(n_layers)) if window else None)
+
     eos = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         tok = _value(reader, "tokenizer.ggml." + key, None)
@@ -288,7 +346,7 @@ def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
         return ModelConfig(
             vocab_size=_np_shape(tensors["token_embd.weight"])[0],
             d_model=d,
-            n_layers=int(_value(reader, p + "block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
             head_dim=head_dim,
@@ -302,6 +360,7 @@ def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos),
             name=str(name),
+            **switches,
         )
     except ConfigError as e:
         raise ModelLoadError(f"{source}: its metadata does not describe a valid model: {e}") from e
@@ -310,25 +369,29 @@ def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
 # --------------------------------------------------------------------------- weights
 
 
-def _expected_np_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per GGUF tensor (layer index dropped), the numpy-order shape ([out, in] for weights)."""
+def _expected_np_shapes(cfg: ModelConfig, tensors: dict[tuple[str, str], str]
+                        ) -> dict[Any, tuple[int, ...]]:
+    """Per GGUF tensor (global base name, or (layer base, kind) with the layer index
+    dropped), the numpy-order shape ([out, in] for weights)."""
     shapes = param_shapes(cfg)
-    out = {}
+    out: dict[Any, tuple[int, ...]] = {}
     for gname, key in GLOBAL_TENSORS.items():
         if key in shapes:
             out[gname] = tuple(reversed(shapes[key].shape)) if key == "lm_head" else \
                 shapes[key].shape
-    for gname, key in LAYER_TENSORS.items():
+    for gkey, key in tensors.items():
         shape = shapes["layers"][key].shape[1:]
-        out[gname] = tuple(reversed(shape))
+        out[gkey] = tuple(reversed(shape))
     return out
 
 
-def _split_name(name: str) -> tuple[int | None, str]:
-    """'blk.3.attn_q.weight' -> (3, 'attn_q'); 'output_norm.weight' -> (None, 'output_norm')."""
+def _split_name(name: str) -> tuple[int | None, Any]:
+    """'blk.3.attn_q.bias' -> (3, ('attn_q', 'bias')); 'output_norm.weight' ->
+    (None, 'output_norm')."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
-        return int(parts[1]), parts[2]
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[3] in ("weight", "bias"):
+        return int(parts[1]), (parts[2], parts[3])
     if len(parts) == 2 and parts[1] == "weight":
         return None, parts[0]
     return None, name
@@ -343,12 +406,14 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     reader = _open(path)
     source = str(path)
     cfg = gguf_config(reader, dtype=dtype)
+    arch = ARCHS[_value(reader, "general.architecture")]
+    tensors = layer_tensors(_value(reader, "general.architecture"))
     _check_types(reader, source)
-    expected = _expected_np_shapes(cfg)
+    expected = _expected_np_shapes(cfg, tensors)
     L = cfg.n_layers
 
     layers = {key: np.empty((L, *param_shapes(cfg)["layers"][key].shape[1:]), np.float32)
-              for key in LAYER_TENSORS.values()}
+              for key in tensors.values()}
     seen: set[str] = set()
     bad_shape: set[str] = set()
     unexpected, misshaped = [], []
@@ -357,7 +422,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     for t in tqdm(todo, desc=f"dequantizing {Path(source).name}", unit="tensor",
                   file=sys.stderr, disable=None, leave=False):
         layer, base = _split_name(t.name)
-        known = (LAYER_TENSORS if layer is not None else GLOBAL_TENSORS)
+        known = (tensors if layer is not None else GLOBAL_TENSORS)
         if base not in known or (layer is not None and layer >= L):
             unexpected.append(t.name)
             continue
@@ -369,24 +434,28 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
             continue
         seen.add(t.name)
         w = _dequantize(t, source)  # numpy order: [out, in] for weights
-        if base == "attn_q":
+        name = base[0] if layer is not None else base
+        if arch.permuted_qk and name == "attn_q":
             w = unpermute_qk_rows(w, cfg.n_heads)
-        elif base == "attn_k":
+        elif arch.permuted_qk and name == "attn_k":
             w = unpermute_qk_rows(w, cfg.n_kv_heads)
+        if arch.norms_plus_one and name.endswith("norm"):
+            w = w - np.float32(1.0)  # llama.cpp stored 1 + w; llama.norm adds the 1
         if w.ndim == 2 and base != "token_embd":
             w = w.T  # -> input-major [in, out]
         if layer is None:
             out[GLOBAL_TENSORS[base]] = w
         else:
-            layers[LAYER_TENSORS[base]][layer] = w
+            layers[tensors[base]][layer] = w
 
     if unexpected:
         raise UnsupportedModelError(
-            f"{source} has tensors a plain Llama model does not use: {unexpected[:8]}"
+            f"{source} has tensors a {_value(reader, 'general.architecture')} model does not "
+            f"use: {unexpected[:8]}"
             f"{' ...' if len(unexpected) > 8 else ''} (biases, extra layers or another variant). "
             "ee-jax cannot load this model.")
     wanted = [g + ".weight" for g in GLOBAL_TENSORS if g in expected]
-    wanted += [f"blk.{i}.{g}.weight" for i in range(L) for g in LAYER_TENSORS]
+    wanted += [f"blk.{i}.{g}.{kind}" for i in range(L) for g, kind in tensors]
     missing = [n for n in wanted if n not in seen and n not in bad_shape]
     if missing or misshaped:
         problems = ([f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}"]
