@@ -29,7 +29,7 @@ from ee_jax.models.tokenizer import ChatTemplateError
 from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
 from ee_jax.serving.server import protocol
-from ee_jax.serving.server.engine_loop import EngineLoop, Event
+from ee_jax.serving.server.engine_loop import EngineLoop, Event, read_token_ids
 from ee_jax.serving.server.metrics import ServerMetrics
 from ee_jax.serving.server.protocol import ApiError, ChatBody, CompletionBody, Limits
 
@@ -321,7 +321,7 @@ class _Stream:
 
     def usage(self) -> dict:
         layers = [e for c in self.choices if c.output for e in (c.output.exit_layers or [])]
-        completion = sum(len(c.output.token_ids) for c in self.choices if c.output)
+        completion = sum(len(read_token_ids(c.output)) for c in self.choices if c.output)
         prompt = sum(self.prompt_lens)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
@@ -346,7 +346,7 @@ class _Stream:
         for c in self.choices:
             out = c.output
             reason = out.finish_reason
-            lp = self._logprobs(out, 0, len(out.token_ids))
+            lp = self._logprobs(out, 0, len(read_token_ids(out)))
             if self.chat:
                 choices.append({"index": c.index, "message": {"role": "assistant",
                                                               "content": out.text},
@@ -373,11 +373,11 @@ class _Stream:
         hold = 0 if out.finished else max((len(s) for s in c.params.stop), default=1) - 1
         end = max(c.sent_text, len(out.text) - hold)
         text = out.text[c.sent_text:end]
-        lp = (self._logprobs(out, c.sent_tokens, len(out.token_ids))
-              if len(out.token_ids) > c.sent_tokens else None)
+        n_read = len(read_token_ids(out))
+        lp = (self._logprobs(out, c.sent_tokens, n_read) if n_read > c.sent_tokens else None)
         if not text and lp is None and not out.finished:
             return None
-        c.sent_text, c.sent_tokens = end, len(out.token_ids)
+        c.sent_text, c.sent_tokens = end, max(c.sent_tokens, n_read)
         reason = out.finish_reason if out.finished else None
         if self.chat:
             delta = {"content": text}

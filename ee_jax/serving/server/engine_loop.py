@@ -37,6 +37,16 @@ class Event:
 Sink = Callable[[Event], None]
 
 
+def read_token_ids(out: RequestOutput) -> list[int]:
+    """The output's tokens the host has read: with overlapped steps an output can end in
+    placeholders (negative ids) for tokens still on the device."""
+    ids = out.token_ids
+    n = len(ids)
+    while n and ids[n - 1] < 0:
+        n -= 1
+    return ids[:n]
+
+
 @dataclasses.dataclass
 class _Live:
     sink: Sink
@@ -158,16 +168,17 @@ class EngineLoop:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            new = len(out.token_ids) - live.num_tokens
+            n_read = len(read_token_ids(out))
+            new = n_read - live.num_tokens
             if self.metrics and new > 0:
                 if live.last_token_time is None:
                     self.metrics.ttft.observe(now - live.arrival)
                 else:
                     self.metrics.itl.observe((now - live.last_token_time) / new)
-                for layer in (out.exit_layers or [])[live.num_tokens:]:
+                for layer in (out.exit_layers or [])[live.num_tokens:n_read]:
                     self.metrics.token(layer)
             if new > 0:
-                live.num_tokens, live.last_token_time = len(out.token_ids), now
+                live.num_tokens, live.last_token_time = n_read, now
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._finished(out, live)
