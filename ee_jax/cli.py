@@ -48,11 +48,14 @@ def _generate(args) -> int:
     from ee_jax.serving.params import SamplingParams
 
     items = _read_prompts(args)
+    _join_processes(args)
     t0 = time.perf_counter()
     model = _load_model(args)
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              page_size=args.page_size, num_pages=args.num_pages, **_exit_kwargs(args, model))
+    llm = LLM(model, **_engine_kwargs(args), **_exit_kwargs(args, model))
     llm.load_time = time.perf_counter() - t0
+    if _follower(llm):
+        return 0
+    _precompile(args, llm)
     tok = llm.tokenizer
     prompts = []
     for it in items:
@@ -69,6 +72,7 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=not args.quiet)
     wall = time.perf_counter() - t0
+    llm.engine.stop_followers()
 
     for it, out in zip(items, outs, strict=True):
         if args.json:
@@ -99,7 +103,8 @@ def _generate(args) -> int:
         print(f"time to first token: mean {statistics.mean(ttfts):.3f}s, "
               f"median {statistics.median(ttfts):.3f}s", file=sys.stderr)
     print(f"compile {s.compile_time:.2f}s for {s.num_compiles} programs (apart from the "
-          f"above); load {llm.load_time:.1f}s", file=sys.stderr)
+          f"above); load {llm.load_time:.1f}s; host time "
+          f"{1000 * s.host_time / max(1, s.num_steps):.1f} ms/step", file=sys.stderr)
     print(f"pages: max used {s.max_pages_used} of {llm.engine.blocks.num_pages} "
           f"({s.max_pages_used * bpp / 2**20:.1f} MiB of KV), preemptions {s.num_preemptions}",
           file=sys.stderr)
@@ -110,10 +115,47 @@ def _generate(args) -> int:
               f"exits {list(ec.exit_layers)}): rows per exit layer "
               f"{{{s.row_exit_histogram()}}}; mean layers per token "
               f"{s.mean_layers_per_row:.1f} of {L} -> ideal speedup "
-              f"{s.ideal_row_speedup(L):.2f}x; layers x rows computed {s.work_fraction:.2f} "
+              f"{s.ideal_row_speedup(L):.2f}x "
+              f"({s.ideal_speedup_with_head(llm.model.config, ec):.2f}x counting the LM head "
+              f"and exit checks); layers x rows computed "
+              f"{s.work_fraction:.2f} "
               f"of full depth; {s.vocab_checks_per_decode_step:.1f} vocabulary projections "
               f"per step for exit checks (each costs one LM head)", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
+                attention=args.attention, async_scheduling=args.async_scheduling)
+
+
+def _join_processes(args) -> None:
+    """Several processes (--num-processes or EE_JAX_* variables): join the job first."""
+    from ee_jax.serving import distributed
+
+    dc = distributed.DistributedConfig.from_env(
+        coordinator_address=args.coordinator, num_processes=args.num_processes,
+        process_id=args.process_id)
+    if dc.num_processes and dc.num_processes > 1:
+        distributed.initialize(dc)
+
+
+def _follower(llm) -> bool:
+    """On a follower process: run the leader's steps until it stops; True if so."""
+    from ee_jax.serving import distributed
+
+    if distributed.is_multiprocess() and not distributed.is_leader():
+        llm.engine.follow()
+        return True
+    return False
+
+
+def _precompile(args, llm) -> None:
+    if args.precompile != "none":
+        kinds = ("decode",) if args.precompile == "decode" else ("decode", "prefill")
+        n = llm.engine.precompile(kinds, progress=not args.quiet)
+        print(f"ee-jax: compiled {n} step programs ahead ({args.precompile})", file=sys.stderr)
 
 
 def _load_model(args):
@@ -142,8 +184,8 @@ def _serve(args) -> int:
         print(f"ee-jax: warning: serving on {args.host} without --api-key: anyone who can "
               f"reach this port can use the model", file=sys.stderr)
     model = _load_model(args)
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              page_size=args.page_size, num_pages=args.num_pages, **_exit_kwargs(args, model))
+    llm = LLM(model, **_engine_kwargs(args), **_exit_kwargs(args, model))
+    _precompile(args, llm)
     ec = llm.engine.exit_config
     print(f"ee-jax: serving {config.model_name!r} on http://{config.host}:{config.port}/v1 "
           f"({'early exit: ' + ec.policy + f', threshold {ec.threshold}' if ec else 'full depth'}"
@@ -270,6 +312,21 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
+    d = g.add_argument_group("devices and compilation")
+    d.add_argument("--mesh", default=None, help="shard over devices, e.g. 'tp=4,dp=2' (tensor "
+                   "parallel over heads, MLP and vocabulary; data parallel over rows)")
+    d.add_argument("--attention", default="reference",
+                   help="attention backend: reference, xla, pallas_gpu, pallas_tpu, auto")
+    d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch step n+1 before reading step n's tokens (default on)")
+    d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",
+                   help="compile every step shape the engine can meet before serving")
+    d.add_argument("--coordinator", default=None, help="several hosts: the coordinator's "
+                   "host:port (or EE_JAX_COORDINATOR); run the same command on every host")
+    d.add_argument("--num-processes", type=int, default=None, help="several hosts: how many "
+                   "processes (or EE_JAX_NUM_PROCESSES)")
+    d.add_argument("--process-id", type=int, default=None, help="several hosts: this "
+                   "process's id, 0 = the leader (or EE_JAX_PROCESS_ID)")
     e = g.add_argument_group("early exit")
     e.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
                    help="early exit with the model's shipped heads (default on where a model "

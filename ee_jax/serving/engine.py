@@ -110,7 +110,8 @@ class EngineStats:
     num_compiles: int = 0
     num_decode_compiles: int = 0
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
-    host_time: float = 0.0  # seconds step() spent on the host, not waiting for the device
+    # seconds step() spent on the host: not waiting for the device, not compiling
+    host_time: float = 0.0
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
@@ -366,6 +367,8 @@ class LLMEngine:
                 row.seq.metrics.first_scheduled_time = t0
         compiles = batch.shape not in self.runner.traces
         result = self.runner.step(batch)
+        if compiles:  # tracing and compiling are not host time of serving
+            self._waited += time.perf_counter() - t0
         out_idx = []
         for r, row in enumerate(schedule.rows):
             seq = row.seq

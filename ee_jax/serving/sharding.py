@@ -97,8 +97,10 @@ class MeshSpec:
         for name, n in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim),
                         ("vocab_size", cfg.vocab_size)):
             if n % tp:
-                raise MeshError(f"tp={tp} does not divide the model's {name} ({n}): choose tp "
-                                f"among the divisors of {math.gcd(cfg.n_heads, cfg.ffn_dim)}")
+                g = math.gcd(math.gcd(cfg.n_heads, cfg.ffn_dim), cfg.vocab_size)
+                raise MeshError(f"tp={tp} does not divide the model's {name} ({n}): tensor "
+                                f"parallelism splits it evenly; choose tp among the divisors "
+                                f"of {g}")
 
     def make_mesh(self, devices=None) -> Mesh:
         devices = list(jax.devices() if devices is None else devices)
