@@ -10,9 +10,11 @@ activations and the rest in bf16 ("int8+bf16"). The int8 weights are quantized f
   1. weights: bytes of the parameters, and of the layer weights a full-depth decode step
      reads (the head is read once more per token: its bytes are listed apart);
   2. decode speed: full-depth decode step time at batch 1 and 8 with a context of
-     `--context` tokens (ModelRunner steps; variants timed round-robin so drift hits all
-     alike; the median of `--repeats` steps, the least over `--rounds` rounds, as load from
-     other processes only ever adds time; compile time apart) -> tokens/s = batch / step;
+     `--context` tokens (ModelRunner steps; the variants of one activation dtype timed
+     round-robin so drift hits them alike -- f32 with int8, bf16 with int8+bf16: on CPU a
+     step that follows a bf16 step measured up to 1.7x slower; the median of `--repeats`
+     steps, the least over `--rounds` rounds, as load from other processes only ever adds
+     time; compile time apart) -> tokens/s = batch / step;
   3. quality, each variant's engine at full depth on the same chat prompts:
      teacher-forced agreement (the f32 greedy continuation is forced; the share of positions
      where the variant's greedy choice equals f32's), greedy sequences identical to f32's,
@@ -70,15 +72,17 @@ def speed(models: dict, batches, context: int, repeats: int, rounds: int) -> dic
     """(name, batch) -> full-depth decode step seconds (least over rounds of the median)."""
     out = {}
     for B in batches:
-        log(f"speed: batch {B}, context {context}: compiling {len(models)} decode steps")
-        pairs = {name: step_runner(cfg, params, B, context)
-                 for name, (cfg, params) in models.items()}
-        for _ in range(rounds):
-            t = time_steps(pairs, repeats)
-            log("  " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in t.items()))
-            for k, v in t.items():
-                out[k, B] = min(v, out.get((k, B), float("inf")))
-        del pairs
+        for dtype in sorted({cfg.dtype for cfg, _ in models.values()}):
+            group = {k: v for k, v in models.items() if v[0].dtype == dtype}
+            log(f"speed: batch {B}, context {context}: compiling {list(group)}")
+            pairs = {name: step_runner(cfg, params, B, context)
+                     for name, (cfg, params) in group.items()}
+            for _ in range(rounds):
+                t = time_steps(pairs, repeats)
+                log("  " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in t.items()))
+                for k, v in t.items():
+                    out[k, B] = min(v, out.get((k, B), float("inf")))
+            del pairs
     return out
 
 
