@@ -190,6 +190,8 @@ def _drive(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], Sam
             if out is not None:
                 done[out.request_id] = (out.token_ids, out.finish_reason, out.text)
         for out in engine.step():
+            assert min(out.token_ids, default=0) >= 0  # no token the host has not read
+            assert len(out.token_ids) == len(out.exit_layers)
             if out.finished:
                 done[out.request_id] = (out.token_ids, out.finish_reason, out.text)
         step += 1

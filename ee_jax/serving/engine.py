@@ -516,7 +516,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids, text=seq.text,
-            token_ids=list(seq.output_token_ids), finished=seq.finished,
+            # only tokens the host has read (a later step's PENDING token is not output)
+            token_ids=seq.output_token_ids[:len(seq.exit_layers)], finished=seq.finished,
             finish_reason=seq.finish_reason, error=seq.error,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             exit_layers=list(seq.exit_layers), metrics=seq.metrics, new_text=new_text,
