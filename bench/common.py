@@ -1,7 +1,7 @@
 """What every benchmark shares: one drive loop, prompt loaders, models, the transformers
 baseline, the machine's state and the report helpers.
 
-Conventions (DESIGN.md section 7, issue 13 part 6):
+Conventions (docs/architecture.md section 7, issue 13 part 6):
 
 * A full-depth baseline is built with `early_exit=False`, written in the script: `LLM(model)`
   alone serves the heads shipped for a registry model, so it is not full depth.

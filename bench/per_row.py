@@ -4,7 +4,7 @@ HumanEval prompts.
     python -m bench.per_row --out docs/benchmarks.md
     python -m bench.per_row --tiny --batches 1 4 --prompts 4 --new-tokens 6   # smoke test
 
-Method (DESIGN.md section 7), everything in one process, per batch size B (the engine's
+Method (docs/architecture.md section 7), everything in one process, per batch size B (the engine's
 max_num_seqs; continuous batching over --prompts prompts):
 
 1. Reference: the engine built with `early_exit=False` (full depth, the baseline every ratio

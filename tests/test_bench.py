@@ -64,7 +64,7 @@ def test_time_limit_aborts_what_is_unfinished(llm):
 
 
 def test_head_in_layer_equivalents_and_full_depth_ideal(llm):
-    # DESIGN.md: 49,152 x 576 = 28.3M multiply-adds, about 8 of SmolLM2-135M's layers.
+    # docs/architecture.md: 49,152 x 576 = 28.3M multiply-adds, about 8 of SmolLM2-135M's layers.
     assert 7.5 < head_layers(smollm2_shaped_config()) < 8.5
     res = serve(llm, PROMPTS[:2], greedy(3))
     ex = exit_summary(res.stats, CFG)  # full depth: every row at L, ideal 1

@@ -1,4 +1,4 @@
-"""Early-exit decoding (DESIGN.md sections 5 and 6) against independent references.
+"""Early-exit decoding (docs/architecture.md sections 5 and 6) against independent references.
 
 Engines compile one program per step shape, so they are built once per module and every
 engine here uses a single page bucket (page_size 16, max_model_len 64) and few batch buckets.
@@ -138,7 +138,7 @@ def test_per_request_infinite_threshold_overrides_global(ee_engine, full_tokens)
 def test_first_token_of_every_prompt_runs_full_depth(ee_engine, full_engine):
     """A 33-token prompt with 32-token chunks leaves one prompt token after its first
     chunk; the scheduler runs that token in a decode step. Prefill runs at full depth
-    (DESIGN.md), so the first sampled token must come from the final head even when every
+    (docs/architecture.md), so the first sampled token must come from the final head even when every
     decode step exits at layer 1."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, CFG.vocab_size, n).tolist() for n in (33, 5, 2, 20)]
@@ -331,7 +331,7 @@ def test_batch_exit_layer_follows_the_rule(classifier_runners, policy, case):
     got = cr.exit_layer(c_by_layer, row_thresholds, pad_threshold)
     assert got == want
     if policy == "all":
-        # DESIGN.md section 6: the latest of the rows' first confident exits (>= min_exit),
+        # docs/architecture.md section 6: the latest of the rows' first confident exits (>= min_exit),
         # L if some row never is confident.
         firsts = [next((e for e in EXIT_LAYERS if e >= cr.ec.min_exit_layer
                         and c_by_layer[e] >= t), L) for t in real]

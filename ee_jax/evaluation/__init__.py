@@ -1,4 +1,4 @@
-"""How good and how fast the early exits are (`ee-jax eval`; DESIGN.md section 7).
+"""How good and how fast the early exits are (`ee-jax eval`; docs/architecture.md section 7).
 
     compare      prefix agreement, match rate, ROUGE-L of a token sequence vs a reference
     calibration  reliability bins and expected calibration error

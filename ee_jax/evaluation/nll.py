@@ -1,4 +1,4 @@
-"""The full model's negative log-likelihood of generated text (DESIGN.md section 7).
+"""The full model's negative log-likelihood of generated text (docs/architecture.md section 7).
 
 A dense forward of prompt + generated tokens; the NLL of each generated token given all
 before it, under the full model (final head), whatever produced the text. Widths are
