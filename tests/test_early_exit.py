@@ -331,7 +331,7 @@ def test_batch_exit_layer_follows_the_rule(classifier_runners, policy, case):
     got = cr.exit_layer(c_by_layer, row_thresholds, pad_threshold)
     assert got == want
     if policy == "all":
-        # docs/architecture.md section 6: the latest of the rows' first confident exits (>= min_exit),
+        # architecture.md section 6: the latest of the rows' first confident exits (>= min_exit),
         # L if some row never is confident.
         firsts = [next((e for e in EXIT_LAYERS if e >= cr.ec.min_exit_layer
                         and c_by_layer[e] >= t), L) for t in real]
