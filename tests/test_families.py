@@ -164,6 +164,25 @@ def test_bfloat16_gemma2_tracks_transformers(tmp_root):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 
+def test_exit_heads_use_the_family_norm_and_cap(tmp_root):
+    """Gemma 2: an exit head's (1 + w) norm and the final soft-cap are the model's own, on the
+    full vocabulary and on a subset of it."""
+    _, folder = hf_folder("gemma2", tmp_root)
+    cfg, params = load_hf(folder)
+    ec = ExitConfig(exit_layers=(2,))
+    heads = exits.init_heads(cfg, ec, params)  # norm = the final norm: the final head
+    h = jax.random.normal(jax.random.PRNGKey(0), (3, cfg.d_model)) * 4.0
+    full = llama.final_head(params, h, cfg)
+    np.testing.assert_allclose(exits.exit_logits(params, heads, 0, h, cfg), full, atol=1e-6)
+    assert np.abs(full).max() <= cfg.final_logit_softcap
+    ids = jnp.asarray([5, 17, 90])
+    hn = llama.norm(h, params["final_norm"], cfg)
+    raw = np.asarray(hn @ params["embed"].T)  # tied head, before the cap
+    assert np.abs(raw[:, ids] - np.asarray(full)[:, ids]).max() > 1e-2  # the cap bites
+    np.testing.assert_allclose(exits.unembed_rows(params, hn, ids, cfg), full[:, ids],
+                               atol=1e-6)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -333,7 +333,7 @@ def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: Model
     `llama.unembed(...)[..., ids]`, at K x D multiply-adds instead of V x D)."""
     w = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
          else jnp.take(params["lm_head"], ids, axis=1).T)  # [K, D]
-    return jnp.matmul(xn, w.T, preferred_element_type=jnp.float32)
+    return llama.cap_logits(jnp.matmul(xn, w.T, preferred_element_type=jnp.float32), cfg)
 
 
 def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -433,7 +433,8 @@ def _score_candidates(params: llama.Params, hn: jax.Array, cand: jax.Array, cfg:
     """Logits of each row's own candidates: hn [..., D], cand [..., k] -> [..., k] f32."""
     w = (jnp.take(params["embed"], cand, axis=0) if cfg.tie_embeddings
          else jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1))  # [..., k, D]
-    return jnp.einsum("...d,...kd->...k", hn, w, preferred_element_type=jnp.float32)
+    return llama.cap_logits(jnp.einsum("...d,...kd->...k", hn, w,
+                                       preferred_element_type=jnp.float32), cfg)
 
 
 def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,

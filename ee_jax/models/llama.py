@@ -320,11 +320,16 @@ def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The LM head on an already-normed hidden state; logits in f32, soft-capped when the
     family caps them (Gemma 2). Exit heads reuse it, so their logits are capped alike."""
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.matmul(xn, w, preferred_element_type=jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        c = cfg.final_logit_softcap
-        logits = jnp.tanh(logits / c) * c
-    return logits
+    return cap_logits(jnp.matmul(xn, w, preferred_element_type=jnp.float32), cfg)
+
+
+def cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The family's final soft-cap, tanh(l / c) * c (Gemma 2), on LM-head logits: every head
+    that projects onto (part of) the vocabulary applies it, so exits score as the model does."""
+    if cfg.final_logit_softcap is None:
+        return logits
+    c = cfg.final_logit_softcap
+    return jnp.tanh(logits / c) * c
 
 
 def final_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
