@@ -6,7 +6,7 @@
 Method:
 * The script starts `ee-jax serve` itself (a subprocess on 127.0.0.1, a free port), once per
   mode: "full" is `--no-early-exit` (the engine's full-depth program: `early_exit=False`, the
-  baseline of DESIGN.md section 7), "early" the model's shipped exit heads. With --random:
+  baseline of docs/architecture.md section 7), "early" the model's shipped exit heads. With --random:
   untrained norm heads at layers 1,2,3 and threshold 0, so every decode step leaves at layer 1
   (a smoke test of the path, not a speed-up). The server's defaults otherwise, with
   max_num_seqs = --clients.
@@ -27,7 +27,9 @@ Method:
   "through the server >= 90% of LLM.generate" bar compares the rate "inf" row to it.
 
 Client and server share the machine: on a 2-core CPU the client's HTTP work takes cycles from
-the engine, so the ratio there is pessimistic.
+the engine, so the ratio there is pessimistic. "load avg" is the machine's 1-minute load
+average after each rate (other processes included): far above the core count means the
+figures are contended.
 """
 
 from __future__ import annotations
@@ -251,7 +253,8 @@ def offline(args, mode: str, prompts: list[list[dict]]) -> dict:
     t0 = time.perf_counter()
     outs = llm.chat(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    return {"tok_per_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall}
+    return {"tok_per_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall,
+            "load_avg": os.getloadavg()[0]}
 
 
 # ----------------------------------------------------------------------------- main
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                            f"{mode} @ {rate:g} req/s"))
                 after = server.metrics()
                 row = {"mode": mode, "rate": rate, **summarize(res),
+                       "load_avg": os.getloadavg()[0],
                        "compiles": after.get("eejax_compiles_total", 0)
                        - before.get("eejax_compiles_total", 0),
                        "server_mean_layers": after.get("eejax_mean_layers_per_token")}
@@ -332,14 +336,17 @@ def report(args, rows: list[dict], offline_rows: dict) -> str:
              f"{args.requests} requests per rate, {args.max_tokens} tokens each (ignore_eos), "
              f"cpu count {os.cpu_count()}", "",
              "| mode | rate (req/s) | ok | errors | tok/s | TTFT p50 / p99 (s) | "
-             "ITL p50 / p99 (ms) | mean exit layer | compiles |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 / p99 (ms) | mean exit layer | compiles | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['rate']:g} | {r['completed']} | {r['errors']} | "
             f"{r['tok_per_s']:.1f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
             f"{r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.1f} | "
-            f"{r['mean_exit_layer']:.2f} | {r['compiles']:g} |")
+            f"{r['mean_exit_layer']:.2f} | {r['compiles']:g} | {r['load_avg']:.1f} |")
+    if offline_rows:
+        loads = ", ".join(f"{m} {o['load_avg']:.1f}" for m, o in offline_rows.items())
+        lines.append(f"\nLLM.generate load avg after its runs: {loads}")
     for mode, off in offline_rows.items():
         top = [r for r in rows if r["mode"] == mode and math.isinf(r["rate"])]
         ratio = top[0]["tok_per_s"] / off["tok_per_s"] if top else math.nan
