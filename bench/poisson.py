@@ -254,7 +254,8 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="bench-poisson-")
         m, hf = hf_random_pair(Path(tmp.name), "tiny", seed=args.seed)
         weights = "random tiny Llama (4 layers; transformers init, one checkpoint), f32"
-        ec = exits.ExitConfig(exit_layers=(1, 2, 3), threshold=args.threshold or 0.02)
+        thr = 0.01 if args.threshold is None else args.threshold  # ~ a uniform 259-way max
+        ec = exits.ExitConfig(exit_layers=(1, 2, 3), threshold=thr)
         heads = None
     else:
         m = load_f32(args.model)

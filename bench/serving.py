@@ -5,10 +5,11 @@ same f32 weights (the performance bar of issue 13).
     python -m bench.serving --quick                      # smoke test: batch 1 and 2, 8 tokens
     python -m bench.serving --random tiny --quick        # no model file: a tiny random Llama
 
-Method (DESIGN.md section 7): everything in one process; for each batch size, ee-jax is warmed
-up on the very prompts it is then measured on (so every program is compiled; compile time is
-reported apart), transformers gets a short warm-up too, then the two are measured interleaved
-(ours, theirs, ours, theirs, ...) and the median of the repetitions is reported.
+Method (docs/architecture.md section 7): everything in one process; for each batch size,
+ee-jax is warmed up on the very prompts it is then measured on (so every program is compiled;
+compile time is reported apart), transformers gets a short warm-up too, then the two are
+measured interleaved (ours, theirs, ours, theirs, ...) and the median of the repetitions is
+reported.
 
 * Baseline: the engine is built with `early_exit=False` (full depth: the fastest full-depth
   program it has; `LLM(model)` alone would serve the shipped exit heads). The exit-layer
@@ -189,8 +190,9 @@ def render(ctx: dict) -> str:
     a = L.append
     a(f"## Serving throughput: ee-jax at full depth vs transformers ({ctx['model_name']})")
     a("")
-    a(f"Written by `bench/serving.py` on {ctx['date']}. Method: DESIGN.md section 7 and the "
-      "docstring of `bench/serving.py` (one process, warm-up first, ee-jax and transformers "
+    a(f"Written by `bench/serving.py` on {ctx['date']}. Method: docs/architecture.md section 7 "
+      "and the docstring of `bench/serving.py` (one process, warm-up first, ee-jax and "
+      "transformers "
       f"interleaved, median of {ctx['reps']} repetitions each; compile time apart).")
     a("")
     a("**Full-depth decoding.** The engine is built with `early_exit=False` (the baseline early "
@@ -404,6 +406,30 @@ def main(argv=None) -> int:
         prompt_desc = f"the {args.prompts} prompts in the chat template (cycled to B)"
     log(f"prompts: {prompt_desc}")
 
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(m.params))
+
+    def report(rows, bandwidth=None, profile=None) -> str:
+        hists = sorted(set(exit_rows.values()))
+        ctx = dict(
+            date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), reps=args.reps,
+            n_layers=cfg.n_layers, command=("python -m bench.serving " + " ".join(argv)).strip(),
+            cpu=cpu_model(), flags=cpu_flags(), ncpu=ncpu,
+            mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+            platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
+            jaxlib=jaxlib.__version__, torch=torch.__version__,
+            transformers=transformers.__version__,
+            torch_threads=torch.get_num_threads(), torch_interop=torch.get_num_interop_threads(),
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+            attn_impl=getattr(hf.config, "_attn_implementation", "?"), model_source=m.source,
+            model_name=model_name, weights=weights, weight_mb=weight_bytes / 1e6,
+            engine_cfg=", ".join(f"{k}={v}" for k, v in engine_kw.items()) + ", early_exit=False",
+            new_tokens=args.new_tokens, prompt_desc=prompt_desc, rows=rows, bandwidth=bandwidth,
+            profile=profile, flops_per_token=matmul_flops_per_token(cfg),
+            extra_reps=args.extra_reps, mean_layers=float(np.mean(mean_layers)),
+            exit_hist="; ".join(f"batch {b}: {h}" for b, h in exit_rows.items())
+            if len(hists) > 1 else f"{{{hists[0]}}} at every batch")
+        return render(ctx)
+
     rows, exit_rows, mean_layers = [], {}, []
     for B in args.batches:
         prompts = eligible[:B]
@@ -469,13 +495,14 @@ def main(argv=None) -> int:
         log(f"batch {B}: ee-jax/transformers e2e {row['ratio_e2e']:.2f}x, decode "
             f"{row['ratio_decode']:.2f}x; greedy agreement {same}/{B}; exits {{{exit_rows[B]}}}")
         rows.append(row)
+        if args.out:  # after every batch size: a long run leaves what it has
+            write_marked(args.out, report(rows), MARK)
 
     # Batch-1 bandwidth (the first batch-1 row; otherwise the smallest batch, labelled so).
     r1 = next((r for r in rows if r["batch"] == 1), rows[0])
     plen = r1["plen_min"] if r1["batch"] == 1 else int(r1["plen_mean"])
     step_bytes = decode_step_bytes(cfg, m.params, llm.engine.scheduler.config, plen,
                                    args.new_tokens)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(m.params))
     achieved = step_bytes / r1["ours_step"]
     bandwidth = dict(step_bytes=step_bytes, kv_mb=(step_bytes - weight_bytes) / 1e6,
                      step_s=r1["ours_step"], achieved_gbs=achieved / 1e9,
@@ -491,25 +518,7 @@ def main(argv=None) -> int:
         profile = profile_floors(cfg, m.params, args.batches)
         log(f"profile: {profile}")
 
-    hists = sorted(set(exit_rows.values()))
-    ctx = dict(
-        date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), reps=args.reps,
-        n_layers=cfg.n_layers, command=("python -m bench.serving " + " ".join(argv)).strip(),
-        cpu=cpu_model(), flags=cpu_flags(), ncpu=ncpu,
-        mem_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-        platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
-        jaxlib=jaxlib.__version__, torch=torch.__version__, transformers=transformers.__version__,
-        torch_threads=torch.get_num_threads(), torch_interop=torch.get_num_interop_threads(),
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        attn_impl=getattr(hf.config, "_attn_implementation", "?"), model_source=m.source,
-        model_name=model_name, weights=weights, weight_mb=weight_bytes / 1e6,
-        engine_cfg=", ".join(f"{k}={v}" for k, v in engine_kw.items()) + ", early_exit=False",
-        new_tokens=args.new_tokens, prompt_desc=prompt_desc, rows=rows, bandwidth=bandwidth,
-        profile=profile, flops_per_token=matmul_flops_per_token(cfg),
-        extra_reps=args.extra_reps, mean_layers=float(np.mean(mean_layers)),
-        exit_hist="; ".join(f"batch {b}: {h}" for b, h in exit_rows.items())
-        if len(hists) > 1 else f"{{{hists[0]}}} at every batch")
-    section = render(ctx)
+    section = report(rows, bandwidth, profile)
     print(section)
     if args.out:
         write_marked(args.out, section, MARK)
