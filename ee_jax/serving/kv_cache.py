@@ -15,7 +15,8 @@ cache is *stored* in f32 (`storage_dtype`): the values written are the model's b
 exact in f32, and attention casts its output back to the model dtype, so tokens are those of a
 bf16 cache while every write touches only its slots. It costs twice the bytes per page,
 which `bytes_per_page` reports (the engine sizes the pool from it). GPU and TPU keep the
-16-bit dtype, where these ops are native.
+16-bit dtype: their XLA backends scatter and gather 16-bit floats without the f32 detour (not
+checked here on a GPU; `tests/test_families.py` checks the CPU steps' compiled HLO).
 """
 
 from __future__ import annotations
