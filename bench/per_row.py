@@ -204,7 +204,8 @@ def render(ctx) -> str:
            f"Machine: {ctx['machine']}; jax {jax.__version__}, backend "
            f"{jax.default_backend()}. Weights: {ctx['weights']}. Run {ctx['date']}.  ",
            f"Exits: {ctx['heads']}; threshold {ctx['threshold']}, quorum {ctx['quorum']}.  ",
-           f"Workload: {ctx['n_prompts']} HumanEval prompts ({ctx['prompt_lens']} tokens), "
+           f"Workload: {ctx['n_prompts']} {ctx['prompt_kind']} prompts "
+           f"({ctx['prompt_lens']} tokens), "
            f"{ctx['new_tokens']} tokens each, teacher-forced on the full-depth greedy output "
            f"(every policy decodes the same sequences); median of {ctx['repeats']} "
            f"interleaved rounds after a warm-up pass. Method: the docstring of "
@@ -274,7 +275,8 @@ def main(argv=None) -> int:
                        f"{jax.devices()[0].platform} device(s)",
                weights=weights, date=time.strftime("%Y-%m-%d %H:%M"),
                heads=heads_desc, threshold=args.threshold, quorum=args.quorum,
-               n_prompts=len(prompts), prompt_lens=f"{min(lens)}-{max(lens)}",
+               n_prompts=len(prompts), prompt_kind="random" if args.tiny else "HumanEval",
+               prompt_lens=f"{min(lens)}-{max(lens)}",
                new_tokens=args.new_tokens, repeats=args.repeats, batches=[])
     for B in args.batches:
         ctx["batches"].append((B, bench_batch(model, prompts, ec, heads, B, args, max_len)))
