@@ -74,6 +74,11 @@ def _post(served, body, key: str | None = KEY, path: str = "/v1/completions"):
     return httpx.post(served.url + path, content=content, headers=headers, timeout=60)
 
 
+def _post_with_timeout(served, body, timeout: float):
+    return httpx.post(served.url + "/v1/completions", json=body, timeout=timeout,
+                      headers={"authorization": f"Bearer {KEY}"})
+
+
 def _metrics(served) -> dict[str, float]:
     text = httpx.get(served.url + "/metrics", timeout=30).text
     out = {}
@@ -238,6 +243,13 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
         cm_b.__exit__(None, None, None)
     _wait_idle(served.engine)
     assert _metrics(served)["eejax_requests_total{finish_reason=abort}"] == before + 1
+    assert served.engine.blocks.num_used_pages == 0
+    # A non-streaming client that gives up is noticed too (the server polls while it waits).
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post_with_timeout(served, body, timeout=0.05)
+    _wait_idle(served.engine)
+    assert _metrics(served)["eejax_requests_total{finish_reason=abort}"] == before + 2
     assert served.engine.blocks.num_used_pages == 0
 
 

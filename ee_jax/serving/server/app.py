@@ -4,7 +4,8 @@ Each HTTP request becomes one engine request per prompt and choice, submitted to
 `EngineLoop`; its events come back through one asyncio queue. A request is answered only after
 the engine accepted it, so every refusal is a 4xx before any byte of a stream is sent. A
 streaming client that disconnects cancels its generator, which aborts its engine requests (and
-frees their pages); a non-streaming one is polled for disconnects while it waits.
+frees their pages); a non-streaming one is polled for disconnects while it waits (every
+20 ms at most).
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ class _State:
     async def handle(self, request: Request, chat: bool):
         arrival = time.perf_counter()
         self.authorize(request)
+        if not self.loop.alive:
+            raise ApiError(503, "the engine has stopped (the server is shutting down)",
+                           code="engine_stopped", type="server_error")
         body = protocol.parse(ChatBody if chat else CompletionBody,
                               await self.read_json(request))
         if body.model != self.config.model_name:
@@ -298,13 +302,18 @@ class _Stream:
         """Events until every choice finished; raises ApiError if the engine failed."""
         while self.held:
             yield self.held.pop(0)
+        next_check = time.monotonic()
         while not all(c.finished for c in self.choices):
-            if poll_disconnect:
+            if poll_disconnect:  # every 20 ms at most, whether or not tokens flow
                 try:
-                    event = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
                 except TimeoutError:
+                    event = None
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 0.02
                     if await self.request.is_disconnected():
                         return
+                if event is None:
                     continue
             else:
                 event = await self.queue.get()
