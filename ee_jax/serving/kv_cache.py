@@ -55,8 +55,10 @@ def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, 
 
 
 def _platform(sharding=None) -> str:
+    """The platform the cache will live on: that of `sharding` (one sharding or a KVCache of
+    them), else the default device's."""
     if sharding is not None:
-        return next(iter(sharding.device_set)).platform
+        return next(iter(jax.tree.leaves(sharding)[0].device_set)).platform
     return jax.devices()[0].platform
 
 
