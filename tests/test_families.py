@@ -4,8 +4,9 @@ Every model here is made by transformers itself (tiny dims, random weights, norm
 perturbed so they matter), saved with `save_pretrained` next to a `tokenizer.json`, and loaded
 by ee-jax from that folder. The dense forward must match transformers' logits on a prompt
 several windows long; the engine (`LLM`) must reproduce transformers' greedy generation at
-full depth, and with every decode token leaving at an exit it must reproduce a contiguous
-reference that back-fills the skipped layers from the exit state (`kv_project`).
+full depth, and with tokens leaving at an exit (and later ones reading the layers they
+skipped) it must follow a contiguous reference that back-fills the skipped layers from the
+exit state (`kv_project`, which is exactly what each family's layer writes).
 """
 
 from __future__ import annotations
@@ -150,6 +151,26 @@ def test_logits_match_transformers(tmp_root, family):
             continue  # not a switch of this family
         other = np.asarray(_forward(params, jnp.asarray(tokens)[None], cfg.replace(**changes)))
         assert np.abs(other[0] - ref).max() > 1e-2, (family, field)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2"])
+def test_kv_project_is_what_the_layer_writes(tmp_root, family):
+    """The back-fill's K/V (`kv_project` of a layer's input) equal the K/V the layer itself
+    attends with, biases, q/k norms and (1 + w) norms included."""
+    _, folder = hf_folder(family, tmp_root)
+    cfg, params = load_hf(folder)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, cfg.d_model))
+    pos = jnp.broadcast_to(jnp.arange(40, 45), (2, 5))
+    seen = {}
+
+    def attend(q, k, v):
+        seen["kv"] = (k, v)
+        return jnp.zeros_like(q), None
+
+    lp = llama.layer_params(params, 1)
+    llama.decoder_layer(lp, x, pos, cfg, attend)
+    for got, want in zip(llama.kv_project(lp, x, pos, cfg), seen["kv"], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bfloat16_gemma2_tracks_transformers(tmp_root):
