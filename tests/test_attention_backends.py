@@ -130,7 +130,7 @@ def test_xla_chunks_and_full_bucket(lengths, page_size):
     """Several chunks (8 keys each), a row that fills the whole table, length 1."""
     q, cache, meta, truth = make_case(3, lengths, page_size, T=1, spare=0)
     for chunk in (8, 16, 1024):
-        got = ak.xla(q, cache, 1, meta, chunk_keys=chunk)
+        got = jax.jit(functools.partial(ak.xla, chunk_keys=chunk))(q, cache, 1, meta)
         np.testing.assert_allclose(np.asarray(got), dense_truth(truth, 1, HD ** -0.5, None, None),
                                    atol=1e-5, rtol=1e-5)
 
@@ -169,12 +169,11 @@ def test_pallas_tpu_interpreted_equals_dense(page_size, lengths, softcap, seed):
 def test_pallas_either_copy_of_the_layer(backend, tight_pool):
     """The wrappers copy the batch's table entries or the layer's whole pool, whichever is
     smaller; both give the truth."""
-    fn = {"pallas_gpu": PALLAS_GPU, "pallas_tpu": PALLAS_TPU}[backend]
     q, cache, meta, truth = make_case(11, [MAX_LEN, 3, 0, 17], 4, T=1, bf16_values=True,
                                       tight_pool=tight_pool)
     B, W = meta.page_table.shape
     assert (cache.num_pages <= B * W) == tight_pool
-    got = np.asarray(fn(q, cache, jnp.int32(1), meta, scale=None))
+    got = np.asarray(jitted(backend)(q, cache, jnp.int32(1), meta, scale=None))
     np.testing.assert_allclose(got, dense_truth(truth, 1, HD ** -0.5, None, None),
                                atol=1e-5, rtol=1e-5)
 
@@ -185,10 +184,8 @@ BF16_TOL = 2e-2  # outputs are O(1); bf16 keeps 8 bits of mantissa (relative ste
 @pytest.mark.parametrize("backend", ["reference", "xla", "pallas_gpu", "pallas_tpu"])
 def test_bf16_cache(backend):
     """bf16 q and cache: each backend within BF16_TOL of the f64 truth on the same values."""
-    fn = {"pallas_gpu": PALLAS_GPU, "pallas_tpu": PALLAS_TPU}.get(backend)
-    fn = fn or ak.select_backend(backend)
     q, cache, meta, truth = make_case(5, [37, 1, 0, 16], 4, T=1, dtype=jnp.bfloat16)
-    got = fn(q, cache, 1, meta, scale=None)
+    got = jitted(backend)(q, cache, 1, meta, scale=None)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
                                dense_truth(truth, 1, HD ** -0.5, None, None),
@@ -198,10 +195,8 @@ def test_bf16_cache(backend):
 @pytest.mark.parametrize("backend", ["reference", "xla", "pallas_gpu", "pallas_tpu"])
 def test_padding_rows_are_zero(backend):
     """kv_lens 0 (a padding row, its table all null pages) gives zeros, never NaN."""
-    fn = {"pallas_gpu": PALLAS_GPU, "pallas_tpu": PALLAS_TPU}.get(backend)
-    fn = fn or ak.select_backend(backend)
     q, cache, meta, _ = make_case(7, [0, 5, 0], 4, T=1)
-    got = np.asarray(fn(q, cache, 0, meta, scale=None))
+    got = np.asarray(jitted(backend)(q, cache, 0, meta, scale=None))
     assert np.isfinite(got).all()
     assert not got[0].any() and not got[2].any() and got[1].any()
 
