@@ -315,8 +315,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     d = g.add_argument_group("devices and compilation")
     d.add_argument("--mesh", default=None, help="shard over devices, e.g. 'tp=4,dp=2' (tensor "
                    "parallel over heads, MLP and vocabulary; data parallel over rows)")
-    d.add_argument("--attention", default="reference",
-                   help="attention backend: reference, xla, pallas_gpu, pallas_tpu, auto")
+    d.add_argument("--attention", default="auto",
+                   help="attention backend: auto (by platform), xla, reference, pallas_gpu, "
+                   "pallas_tpu")
     d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch step n+1 before reading step n's tokens (default on)")
     d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",

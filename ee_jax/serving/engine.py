@@ -80,7 +80,9 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # Launch step n+1 before reading step n's tokens (the host never waits for the device).
     async_scheduling: bool = True
-    attention: str = "reference"  # attention backend (ee_jax.serving.attention)
+    # Attention backend (ee_jax.serving.attention_kernels): "auto" = the Pallas kernels on
+    # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
+    attention: str = "auto"
     # JAX's persistent compilation cache: a restarted engine loads its programs instead of
     # compiling them again. None: off.
     compilation_cache_dir: str | None = "~/.cache/ee-jax/xla"
