@@ -6,9 +6,9 @@
 Method:
 * The script starts `ee-jax serve` itself (a subprocess on 127.0.0.1, a free port), once per
   mode: "full" is `--no-early-exit` (the engine's full-depth program: `early_exit=False`, the
-  baseline of docs/architecture.md section 7), "early" the model's shipped exit heads. With --random:
-  untrained norm heads at layers 1,2,3 and threshold 0, so every decode step leaves at layer 1
-  (a smoke test of the path, not a speed-up). The server's defaults otherwise, with
+  baseline of docs/architecture.md section 7), "early" the model's shipped exit heads. With
+  --random: untrained norm heads at layers 1,2,3 and threshold 0, so every decode step leaves
+  at layer 1 (a smoke test of the path, not a speed-up). The server's defaults otherwise, with
   max_num_seqs = --clients.
 * Warm-up (not measured): the whole sweep, repeated until a pass compiles no new program (at
   most --warmup-passes), so the batch shapes the measured pass meets are compiled; compiles
