@@ -169,19 +169,30 @@ def test_engine_full_depth_on_int8_equals_dense_int8_forward():
 def test_engine_forced_exit_and_backfill_on_int8():
     """Exits forced at layer 2: the int8 engine samples from the exit head and back-fills
     layers 2..3 through int8 `kv_project`; it must equal an f32 engine on the dequantized
-    weights, tokens and every cache entry (the back-filled ones included)."""
+    weights, tokens and every cache entry (the back-filled ones included). With 4 devices
+    (conftest asks XLA for 8), the int8 engine sharded over tp=2, dp=2 must equal it too."""
     ec = ExitConfig(exit_layers=(1, 2, 3), force_exit_layer=2)
-    engines = [LLMEngine(CFG, p, None, EngineConfig(**engine_config()), ec)
-               for p in (QPARAMS, quant.dequantize_params(QPARAMS))]
+    runs = [(QPARAMS, None), (quant.dequantize_params(QPARAMS), None)]
+    if len(jax.devices()) >= 4:
+        runs.append((QPARAMS, "tp=2,dp=2"))
+    engines = [LLMEngine(CFG, p, None, EngineConfig(**engine_config(mesh=mesh)), ec)
+               for p, mesh in runs]
     outs = [run_requests(e, PROMPTS, greedy(MAX_NEW)) for e in engines]
-    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    for other in outs[1:]:
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in other]
     for o in outs[0]:  # the first token comes from prefill, at full depth
         assert o.exit_layers == [CFG.n_layers] + [2] * (MAX_NEW - 1)
-    k8, kf = (np.asarray(e.runner.cache.k) for e in engines)
-    v8, vf = (np.asarray(e.runner.cache.v) for e in engines)
+    k8, *ks = (np.asarray(e.runner.cache.k) for e in engines)
+    v8, *vs = (np.asarray(e.runner.cache.v) for e in engines)
     assert np.abs(k8[2:]).sum() > 0  # back-fill wrote the skipped layers
-    np.testing.assert_allclose(k8, kf, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(v8, vf, rtol=1e-4, atol=1e-5)
+    for k, v in zip(ks, vs, strict=True):
+        np.testing.assert_allclose(k8, k, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(v8, v, rtol=1e-4, atol=1e-5)
+    if len(engines) == 3:  # the int8 weight and its scales are split over the heads
+        wq = engines[2].runner.params["layers"]["wq"]
+        assert isinstance(wq, quant.QArray) and len(wq.q.sharding.device_set) == 4
+        assert wq.q.addressable_shards[0].data.shape[-1] == wq.q.shape[-1] // 2
+        assert wq.scale.addressable_shards[0].data.shape[-1] == wq.scale.shape[-1] // 2
 
 
 # --------------------------------------------------------------------------- bad input
