@@ -18,10 +18,12 @@ shared head (candidate sets), and the embedding's gather stays exact.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ee_jax.models.config import ConfigError
 
@@ -114,6 +116,26 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
     computes what the int8 one does: the tests' reference)."""
     return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QArray) else a,
                         params, is_leaf=is_qarray)
+
+
+def quantizing_placer(place: Callable[[tuple[str, ...], Any], Any] | None = None
+                      ) -> Callable[[tuple[str, ...], Any], Any]:
+    """A loader's `place(path, host array)` hook (see `ee_jax.models.hf.load_hf`) that
+    quantizes each layer weight on the host CPU as it is read, so the accelerator never holds
+    it in the model dtype: loading then peaks at the int8 model plus one host leaf, not the
+    model in `dtype` plus its int8 copy. `place` puts the int8 `q` and the f32 `scale` (paths
+    ending in "q" / "scale"; default: a plain transfer); other leaves go to it unchanged."""
+    place = place or (lambda _path, a: jnp.asarray(a))
+    cpu = jax.devices("cpu")[0]
+
+    def placer(path: tuple[str, ...], a):
+        if len(path) == 2 and path[0] == "layers" and path[1] in QUANTIZED_KEYS:
+            qa = quantize_weight(jax.device_put(a, cpu))  # runs on the host's CPU device
+            return QArray(place((*path, "q"), np.asarray(qa.q)),
+                          place((*path, "scale"), np.asarray(qa.scale)))
+        return place(path, a)
+
+    return placer
 
 
 def is_quantized(params: dict) -> bool:
