@@ -14,6 +14,8 @@ Method:
   most --warmup-passes), so the batch shapes the measured pass meets are compiled; compiles
   during the measured pass are counted from /metrics and printed beside each row (a row with
   compiles > 0 includes compile time: Poisson arrivals can still form a new batch shape).
+  --precompile decode (or all) has the server compile every decode (or every) step shape
+  before it serves, which leaves only prefill shapes to the warm-up.
 * For each rate (requests/s; "inf" = all at once) --requests chat requests are sent with
   Poisson arrivals (exponential gaps, seeded), at most --clients in flight; each streams
   (`stream: true`, `logprobs: 0` to count tokens per chunk) exactly --max-tokens tokens
@@ -100,6 +102,8 @@ class Server:
                "--model", "random" if args.random else args.model, "--port", str(self.port),
                "--served-model-name", self.name, "--max-num-seqs", str(args.clients),
                "--max-model-len", str(args.max_model_len)]
+        if args.precompile != "none":
+            cmd += ["--precompile", args.precompile]
         if mode == "full":
             cmd.append("--no-early-exit")
         elif args.random:
@@ -276,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--offline", action="store_true", help="also time LLM.generate on the "
                    "same requests (the 90%% bar)")
+    p.add_argument("--precompile", default="none", choices=["none", "decode", "all"],
+                   help="the server compiles these step shapes before serving (ee-jax serve "
+                   "--precompile); the warm-up passes then meet fewer new shapes")
     p.add_argument("--warmup-passes", type=int, default=3, help="unmeasured passes of the "
                    "sweep first, until one compiles nothing (at most this many)")
     p.add_argument("--seed", type=int, default=0)
@@ -334,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(args, rows: list[dict], offline_rows: dict) -> str:
     lines = [f"model {'random (tiny)' if args.random else args.model}, {args.clients} clients, "
              f"{args.requests} requests per rate, {args.max_tokens} tokens each (ignore_eos), "
+             f"max_model_len {args.max_model_len}, precompile {args.precompile}, "
              f"cpu count {os.cpu_count()}", "",
              "| mode | rate (req/s) | ok | errors | tok/s | TTFT p50 / p99 (s) | "
              "ITL p50 / p99 (ms) | mean exit layer | compiles | load avg |",
