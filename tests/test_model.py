@@ -80,6 +80,11 @@ def test_full_size_shapes_without_allocating():
 @pytest.mark.parametrize("kw, field", [
     (dict(n_heads=9, n_kv_heads=4), "n_kv_heads"), (dict(head_dim=15), "head_dim"),
     (dict(d_model=0), "d_model"), (dict(dtype="int8"), "dtype"),
+    (dict(activation="relu"), "activation"), (dict(sliding_window=0), "sliding_window"),
+    (dict(sliding_window=4, layer_types=("full_attention",) * 2), "layer_types"),
+    (dict(layer_types=("sliding_attention",)), "sliding_window"),
+    (dict(sliding_window=4, layer_types=("chunked_attention",)), "layer_types"),
+    (dict(attn_logit_softcap=0.0), "attn_logit_softcap"),
 ])
 def test_bad_config_names_the_field(kw, field):
     base = dict(vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4,
