@@ -130,7 +130,7 @@ def profile_floors(cfg, params, batches: list[int], repeats: int = 5) -> dict:
     def dense_step(params, tokens, layers):
         B = tokens.shape[0]
         positions = jnp.zeros((B, 1), jnp.int32)
-        x = llama.embed(params, tokens)
+        x = llama.embed(params, tokens, cfg)
         if layers:
             def body(i, x):
                 return llama.decoder_layer(llama.layer_params(params, i), x, positions, cfg,

@@ -410,7 +410,7 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
     """
     zeros = jnp.zeros((REF_LEN, CFG.n_kv_heads, CFG.head_dim), jnp.float32)
     kc, vc = [zeros] * L, [zeros] * L
-    x = llama.embed(PARAMS, jnp.asarray(prompt))
+    x = llama.embed(PARAMS, jnp.asarray(prompt), CFG)
     pos = jnp.arange(len(prompt))
     for i in range(L):
         x, kc[i], vc[i] = _ref_layer(LAYERS[i], x, pos, kc[i], vc[i])
@@ -419,7 +419,7 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
     gaps.append(float(np.diff(np.sort(logits)[-2:])[0]))
     for step in range(1, n_new):
         p = len(prompt) + step - 1
-        x = llama.embed(PARAMS, jnp.asarray([tokens[-1]]))
+        x = llama.embed(PARAMS, jnp.asarray([tokens[-1]]), CFG)
         h_prev = x[0]
         exit_at, out = L, None
         for i in range(L):

@@ -96,7 +96,7 @@ def test_reliability_and_ece_by_hand():
 @functools.partial(jax.jit, static_argnames=("width",))
 def _padded_forward(params, tokens, width):
     buf = jnp.zeros((1, width), jnp.int32).at[0, :tokens.shape[0]].set(tokens)
-    return (*llama.forward(params, buf, CFG, return_hidden=True), llama.embed(params, buf))
+    return (*llama.forward(params, buf, CFG, return_hidden=True), llama.embed(params, buf, CFG))
 
 
 @functools.partial(jax.jit, static_argnames=("ec",))

@@ -108,7 +108,7 @@ def _dense_pass(params, heads_list, tokens, cfg: ModelConfig, configs: tuple[Exi
     logits, hidden = llama.forward(params, tokens, cfg, return_hidden=True)
     final_top = jnp.argmax(logits, axis=-1)  # [B, T]
     del logits
-    emb = llama.embed(params, tokens)
+    emb = llama.embed(params, tokens, cfg)
     out = []
     for ec, heads in zip(configs, heads_list, strict=True):
         hs = hidden[np.asarray(ec.exit_layers) - 1]  # [E, B, T, D]

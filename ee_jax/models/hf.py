@@ -12,9 +12,11 @@ weights are stored as the checkpoint holds them (Gemma's 1 + w is applied by `ll
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,11 @@ def config_from_hf(config: dict[str, Any], *, source: str = "config.json",
         raise ModelLoadError(f"{source} does not describe a valid model: {e}") from e
 
 
+# place(path, host array) -> the array where it should live (device, shards): a parameter
+# leaf at a time, path as in the params tree, e.g. ("layers", "wq").
+Placer = Callable[[tuple[str, ...], np.ndarray], Any]
+
+
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
@@ -295,10 +302,16 @@ def _expected_hf_shapes(cfg: ModelConfig, tensors: dict[str, str]) -> dict[str, 
     return out
 
 
-def load_hf(folder: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_hf(folder: str | os.PathLike, dtype: str = "float32", place: Placer | None = None
+            ) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face folder of a supported family (`FAMILIES`): `config.json` plus
     `model.safetensors` or a sharded `model.safetensors.index.json`. Returns the config and
-    the checked param tree."""
+    the checked param tree.
+
+    Weights go to the target dtype tensor by tensor and to the device one parameter leaf at a
+    time (`place(path, array)`: by default a plain transfer; `sharding.placer` puts each leaf
+    straight on its shards), so the host holds the model once in `dtype` plus one stacked
+    leaf, never the whole model in f32."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -319,52 +332,57 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     expected = _expected_hf_shapes(cfg, tensors)
     shapes = param_shapes(cfg)
     L = cfg.n_layers
+    target = np.dtype(cfg.jnp_dtype)
+    place = place or (lambda _path, a: jnp.asarray(a))
 
-    layers = {key: np.empty((L, *shapes["layers"][key].shape[1:]), np.float32)
-              for key in tensors.values()}
-    out: dict[str, np.ndarray] = {}
-    seen, unexpected, misshaped = set(), [], []
-    for file in _weight_files(folder):
-        try:
-            handle = safe_open(str(file), framework="numpy")
-        except Exception as e:
-            raise ModelLoadError(f"{file} is not a readable safetensors file ({e}). Download "
-                                 "it again.") from e
-        with handle as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+    where: dict[str, Any] = {}  # tensor name -> open file handle
+    unexpected, misshaped = [], []
+    with contextlib.ExitStack() as stack:
+        for file in _weight_files(folder):
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            except Exception as e:
+                raise ModelLoadError(f"{file} is not a readable safetensors file ({e}). "
+                                     "Download it again.") from e
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
                                                        and cfg.tie_embeddings):
                     continue
                 if name not in expected:
                     unexpected.append(name)
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(handle.get_slice(name).get_shape())
                 if shape != expected[name]:
                     misshaped.append(f"{name} has shape {list(shape)}, config.json implies "
                                      f"{list(expected[name])}")
-                    seen.add(name)
-                    continue
-                seen.add(name)
-                w = np.asarray(f.get_tensor(name), dtype=np.float32)
-                if name in GLOBAL_TENSORS:
-                    out[GLOBAL_TENSORS[name]] = w.T if name == "lm_head.weight" else w
-                else:
-                    _, _, i, suffix = name.split(".", 3)
-                    layers[tensors[suffix]][int(i)] = w.T if w.ndim == 2 else w
+                where[name] = handle
+        if misshaped:
+            raise ParamsMismatchError(f"{folder}: weights disagree with {config_path.name}: "
+                                      + "; ".join(misshaped[:8]))
+        if unexpected:
+            raise UnsupportedModelError(
+                f"{folder} has tensors a {family} model does not use: {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''} (biases, extra layers, another "
+                f"variant?).")
+        missing = [n for n in expected if n not in where]
+        if missing:
+            raise ParamsMismatchError(f"{folder}: tensors missing from the safetensors files: "
+                                      f"{missing[:8]}{' ...' if len(missing) > 8 else ''}.")
 
-    if misshaped:
-        raise ParamsMismatchError(f"{folder}: weights disagree with {config_path.name}: "
-                                  + "; ".join(misshaped[:8]))
-    if unexpected:
-        raise UnsupportedModelError(
-            f"{folder} has tensors a {family} model does not use: {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''} (biases, extra layers, another variant?).")
-    missing = [n for n in expected if n not in seen]
-    if missing:
-        raise ParamsMismatchError(f"{folder}: tensors missing from the safetensors files: "
-                                  f"{missing[:8]}{' ...' if len(missing) > 8 else ''}.")
-    dt = cfg.jnp_dtype
-    params: Params = {k: jnp.asarray(v, dt) for k, v in out.items()}
-    params["layers"] = {k: jnp.asarray(v, dt) for k, v in layers.items()}
+        def read(name: str, transpose: bool) -> np.ndarray:  # one tensor, target dtype
+            w = where[name].get_tensor(name)
+            return np.ascontiguousarray((w.T if transpose else w).astype(target, copy=False))
+
+        params: Params = {}
+        for name, key in GLOBAL_TENSORS.items():
+            if name in where:  # HF's lm_head is [V, D]: ours is input-major [D, V]
+                params[key] = place((key,), read(name, name == "lm_head.weight"))
+        params["layers"] = {}
+        for suffix, key in tensors.items():
+            stacked = np.empty((L, *shapes["layers"][key].shape[1:]), target)
+            for i in range(L):
+                stacked[i] = read(f"model.layers.{i}.{suffix}", stacked.ndim == 3)
+            params["layers"][key] = place(("layers", key), stacked)
+            del stacked
     check_params(cfg, params, source=str(folder))
     return cfg, params

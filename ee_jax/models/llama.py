@@ -337,11 +337,12 @@ def final_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return unembed(params, norm(h, params["final_norm"], cfg), cfg)
 
 
-def embed(params: Params, tokens: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Token embeddings [..., D]; times sqrt(d_model) (rounded to the model dtype, as
-    transformers does) for families with `cfg.embed_scale` (Gemma) — pass `cfg` for those."""
+    transformers does) for families with `cfg.embed_scale` (Gemma). `cfg` is required: every
+    path into the layers (dense, paged, evaluation, tuning) must scale alike."""
     x = jnp.take(params["embed"], tokens, axis=0)
-    if cfg is not None and cfg.embed_scale:
+    if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
     return x
 

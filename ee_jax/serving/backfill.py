@@ -1,4 +1,4 @@
-"""KV back-fill: the skipped layers' K/V of a token that left early (docs/architecture.md section 5).
+"""KV back-fill: the skipped layers' K/V of a token that left early (architecture.md section 5).
 
 A token that left at exit layer e has no K/V in layers e..L-1, yet later tokens attend to
 them. Before the step ends, its exit hidden state is projected through each skipped layer's

@@ -191,7 +191,7 @@ def _full_depth(params, cache, tokens, meta, last_idx, cfg: ModelConfig, attenti
         x, cache = carry
         return paged_layer(params, i, x, cache, meta, cfg, attention)
 
-    x = llama.embed(params, tokens)
+    x = llama.embed(params, tokens, cfg)
     x, cache = jax.lax.fori_loop(0, L, body, (x, cache))
     h = jnp.take_along_axis(x, last_idx[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = llama.final_head(params, h, cfg)
@@ -272,7 +272,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
 
         return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
 
-    x = llama.embed(params, tokens)  # [B, 1, D]
+    x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               running=active, done=jnp.zeros((B,), bool),
               check=exits.init_check_state(x[:, 0], ec),

@@ -184,7 +184,7 @@ def decision_data(cfg, ec, params, heads, hs: np.ndarray, tokens: np.ndarray,
         sl = slice(i, i + m)
         pad = chunk - m
         h = np.pad(np.moveaxis(np.asarray(hs[sl], np.float32), 1, 0), ((0, 0), (0, pad), (0, 0)))
-        emb = llama.embed(params, jnp.asarray(np.pad(tokens[sl], (0, pad))))
+        emb = llama.embed(params, jnp.asarray(np.pad(tokens[sl], (0, pad))), cfg)
         f, a, _ = _decision_batch(params, heads, jnp.asarray(h), emb,
                                   jnp.asarray(np.pad(final_top[sl], (0, pad))), cfg, ec)
         feats.append(np.asarray(f)[:, :m])
