@@ -238,8 +238,7 @@ class _State:
         stream = _Stream(self, request, body, chat, base, choices, [len(x) for x in prompts])
         await stream.submit(prompts, body.n, arrival)
         if body.stream:
-            return StreamingResponse(stream.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _SSEResponse(stream)
         try:
             await stream.wait_all()
         finally:
@@ -416,6 +415,22 @@ class _Stream:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
             self.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose engine requests are aborted however the response ends, even when the
+    client leaves before the first chunk (the generator's own `finally` never runs then)."""
+
+    def __init__(self, stream: _Stream):
+        super().__init__(stream.sse(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
 
 
 def _api_error(error: Exception | None) -> ApiError:
