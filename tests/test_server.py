@@ -151,6 +151,34 @@ def test_n_choices(served):
     assert [c.text for c in r.choices] == [served.ref[i].text for i in (5, 5, 6, 6)]
 
 
+def _stop_case(served) -> tuple[int, str]:
+    """A prompt whose greedy text has a printable two-character piece first seen at >= 2."""
+    for i, out in enumerate(served.ref):
+        t = out.text
+        for k in range(2, len(t) - 1):
+            piece = t[k:k + 2]
+            if piece.isprintable() and "\ufffd" not in piece and t.index(piece) == k:
+                return i, piece
+    pytest.skip("no greedy output has a usable stop string")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cut_like_generate(served, stream):
+    # The stop string and what follows are not sent, streamed or not (streams hold back text
+    # that could start a stop string until it cannot).
+    i, stop = _stop_case(served)
+    r = served.client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
+                                         temperature=0, stop=[stop], stream=stream)
+    if stream:
+        chunks = list(r)
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = r.choices[0].text, r.choices[0].finish_reason
+    ref = served.ref[i].text
+    assert text == ref[:ref.index(stop)] and reason == "stop"
+
+
 def test_models_and_health(served):
     assert [m.id for m in served.client.models.list().data] == [MODEL]
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
