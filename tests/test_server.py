@@ -149,6 +149,13 @@ def test_n_choices(served):
                                          temperature=0, n=2, seed=7)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [served.ref[i].text for i in (5, 5, 6, 6)]
+    stream = served.client.completions.create(model=MODEL, prompt=PROMPTS[5:7], n=2,
+                                              max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    texts = ["", "", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [served.ref[i].text for i in (5, 5, 6, 6)]
 
 
 def _stop_case(served) -> tuple[int, str]:
