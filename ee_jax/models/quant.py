@@ -118,24 +118,33 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
                         params, is_leaf=is_qarray)
 
 
-def quantizing_placer(place: Callable[[tuple[str, ...], Any], Any] | None = None
-                      ) -> Callable[[tuple[str, ...], Any], Any]:
-    """A loader's `place(path, host array)` hook (see `ee_jax.models.hf.load_hf`) that
-    quantizes each layer weight on the host CPU as it is read, so the accelerator never holds
-    it in the model dtype: loading then peaks at the int8 model plus one host leaf, not the
-    model in `dtype` plus its int8 copy. `place` puts the int8 `q` and the f32 `scale` (paths
-    ending in "q" / "scale"; default: a plain transfer); other leaves go to it unchanged."""
-    place = place or (lambda _path, a: jnp.asarray(a))
-    cpu = jax.devices("cpu")[0]
+Placer = Callable[[tuple[str, ...], Any], Any]  # place(path, host array) -> placed array
 
-    def placer(path: tuple[str, ...], a):
-        if len(path) == 2 and path[0] == "layers" and path[1] in QUANTIZED_KEYS:
-            qa = quantize_weight(jax.device_put(a, cpu))  # runs on the host's CPU device
-            return QArray(place((*path, "q"), np.asarray(qa.q)),
-                          place((*path, "scale"), np.asarray(qa.scale)))
-        return place(path, a)
 
-    return placer
+def quantizing_placement(placement: Callable[[Any], Placer] | None = None
+                         ) -> Callable[[Any], Placer]:
+    """For loaders that place a leaf at a time (`placement(cfg)(path, host array)`, see
+    `ee_jax.models.hf.load_hf`): each layer weight is quantized on the host CPU as it is read,
+    so the accelerator never holds it in the model dtype, and loading peaks at the int8 model
+    plus one host leaf rather than the model in `dtype` plus its int8 copy. The inner
+    `placement` (default: a plain transfer; `sharding.placement` for shards) places `q` under
+    the weight's own path (it has the weight's shape and axes) and `scale` under
+    (*path, "scale") (the weight's axes without the input axis); other leaves unchanged."""
+
+    def for_config(cfg) -> Placer:
+        place = placement(cfg) if placement else (lambda _path, a: jax.device_put(a))
+        cpu = jax.devices("cpu")[0]
+
+        def place_leaf(path: tuple[str, ...], a):
+            if len(path) == 2 and path[0] == "layers" and path[1] in QUANTIZED_KEYS:
+                qa = quantize_weight(jax.device_put(a, cpu))  # on the host's CPU device
+                return QArray(place(path, np.asarray(qa.q)),
+                              place((*path, "scale"), np.asarray(qa.scale)))
+            return place(path, a)
+
+        return place_leaf
+
+    return for_config
 
 
 def is_quantized(params: dict) -> bool:
