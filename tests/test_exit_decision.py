@@ -72,7 +72,7 @@ def reference_decode(cfg, params, ec, heads, tokens, threshold):
     `check_confidence` at every exit in order, the first confident exit taken, that row's
     logits from `row_exit_logits`. Returns (logits [T, V], exit slot [T] (-1: full depth))."""
     _, hidden = llama.forward(params, tokens[None], cfg, return_hidden=True)
-    state = exits.init_check_state(llama.embed(params, tokens), ec)
+    state = exits.init_check_state(llama.embed(params, tokens, cfg), ec)
     slot = jnp.full(tokens.shape[0], -1)
     h_exit = hidden[-1, 0]
     for s, e in enumerate(ec.exit_layers):
@@ -84,9 +84,8 @@ def reference_decode(cfg, params, ec, heads, tokens, threshold):
     return exits.row_exit_logits(params, heads, slot, h_exit, cfg), slot
 
 
-@pytest.mark.parametrize("cfg,params", [(CFG, PARAMS), (TIED_CFG, TIED_PARAMS)],
-                         ids=["untied", "tied"])
-def test_candidate_decisions_emit_only_scored_tokens_and_never_is_full_depth(cfg, params):
+def test_candidate_decisions_emit_only_scored_tokens_and_never_is_full_depth():
+    cfg, params = CFG, PARAMS  # (the tied head's row gathers: the subset-logits test)
     ec, heads = subset_heads(cfg, params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, 24), jnp.int32)
     full = np.asarray(llama.forward(params, tokens[None], cfg))[0]
@@ -150,6 +149,8 @@ def test_bad_subsets_targets_and_mismatched_models_are_clear_errors():
             calibrate.check_target(bad)
     with pytest.raises(exits.ExitConfigError, match="vocab_subset"):
         exits.ExitConfig(exit_layers=(1,), vocab_subset=CFG.vocab_size + 1).validate_for(CFG)
+    with pytest.raises(exits.ExitConfigError, match="candidates"):
+        exits.ExitConfig(exit_layers=(1, 2), measure="candidates", min_exit_layer=2)
 
 
 def test_subset_heads_round_trip_and_pick_a_threshold_per_target(tmp_path):

@@ -1,5 +1,5 @@
-"""The exit heads shipped for SmolLM2-135M-Instruct (made by configs/tune-smollm2-135m.yaml):
-they load, fit the model, are served by default, and really exit early on HumanEval."""
+"""The exit heads shipped for SmolLM2-135M-Instruct (made by a configs/tune-smollm2-135m*.yaml
+preset): they load, fit the model, are served by default, and really exit early on HumanEval."""
 
 import pytest
 
@@ -21,10 +21,19 @@ def shipped(smollm2):
 def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     ec, heads = shipped
     exits.check_heads(smollm2.config, ec, heads)
-    assert ec.measure == "classifier"  # deciding to exit needs no vocabulary projection
+    assert not ec.needs_vocab  # deciding to exit needs no full vocabulary projection
     path = registry.shipped_exit_heads("smollm2-135m-instruct")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     assert size <= 20 * 2**20
+    if (path / "calibration.json").is_file():  # the threshold is the one the table certifies
+        import json
+
+        from ee_jax.training import calibrate
+
+        cal = json.loads((path / "calibration.json").read_text())
+        table = calibrate.CalibrationTable.from_json(cal)
+        assert ec.threshold == calibrate.pick_threshold(table, ec.target_agreement,
+                                                        cal["delta"])
 
 
 def test_default_model_exits_early_on_humaneval(shipped, smollm2):

@@ -166,8 +166,8 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
 
     before = jax.tree.map(np.array, PARAMS)
     tc = tiny_tune_config(tmp_path, method="cached", measure="candidates", vocab_subset=64,
-                          candidates=4, kl_vocab=96, teacher_topk=4, epochs=6,
-                          decision_steps=50, target_agreement=0.5)
+                          candidates=4, kl_vocab=96, teacher_topk=4, epochs=3,
+                          decision_steps=20, target_agreement=0.5)
     calib = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 24)).astype(np.int32)
     res = tune(tc, model=MODEL, train=ROWS, held_out=ROWS[:2], calib=calib, progress=False)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(PARAMS), strict=True):

@@ -67,8 +67,10 @@ def oracle_counts(pred: ExitPredictions) -> dict[int, int]:
 
 
 def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
-                   cache: Path, max_tokens: int = 96, seq_len: int = 256) -> dict:
-    """variants {name: (ExitConfig, heads)}; thresholds {name: [thresholds]}."""
+                   cache: Path, max_tokens: int = 96, seq_len: int = 256,
+                   dump: Path | None = None) -> dict:
+    """variants {name: (ExitConfig, heads)}; thresholds {name: [thresholds]}. dump: a folder
+    for the raw per-exit confidence and agreement arrays (re-simulate any threshold)."""
     cfg, params = model.config, model.params
     out: dict = {"workloads": {}}
     for wname, items in workloads.items():
@@ -78,6 +80,11 @@ def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
         preds = exit_predictions(cfg, params, seqs, variants, seq_len=seq_len, rows=2,
                                  progress=False, desc=wname, score_from=starts)
         res: dict = {"prompts": len(seqs), "scored_tokens": int(n_tok), "variants": {}}
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            np.savez_compressed(dump / f"{wname.split()[0].lower()}.npz", **{
+                f"{v}_{k}": getattr(p, k) for v, p in preds.items()
+                for k in ("confidence", "agree")})
         answer_tokens = np.concatenate([np.asarray(s[k + 1:]) for s, k in
                                         zip(seqs, starts, strict=True)])
         for vname, pred in preds.items():
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="thresholds for the new heads (default: calibrated, and nearby)")
     ap.add_argument("--cache", default="runs/eval-v2/selfgen.jsonl")
     ap.add_argument("--out", default="docs/eval/issue12")
+    ap.add_argument("--dump", default="runs/eval-v2/predictions",
+                    help="folder for raw per-exit predictions ('' for none)")
     a = ap.parse_args(argv)
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             variants["baseline"] = base
             thresholds["baseline"] = [0.8, 0.9]
     res = evaluate_heads(model, variants, workload_items(a.instructions, a.humaneval),
-                         thresholds, cache=Path(a.cache), max_tokens=a.max_tokens)
+                         thresholds, cache=Path(a.cache), max_tokens=a.max_tokens,
+                         dump=Path(a.dump) if a.dump else None)
     res.update(date=time.strftime("%Y-%m-%d %H:%M"), command="python -m "
                "ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:]),
                heads=str(a.heads), calibrated_threshold=ec.threshold,

@@ -135,6 +135,12 @@ class ExitConfig:
                                   f"equal to full depth), got {self.target_agreement}")
         if not 0.0 < self.quorum <= 1.0:
             raise ExitConfigError(f"quorum must be in (0, 1], got {self.quorum}")
+        if (self.measure == "candidates" and self.exit_layers
+                and self.min_exit_layer > self.exit_layers[0]):
+            raise ExitConfigError(
+                f"measure 'candidates' picks its candidates at the first exit "
+                f"({self.exit_layers[0]}), so min_exit_layer ({self.min_exit_layer}) cannot "
+                f"skip it: drop the exits below min_exit_layer instead")
         if self.force_exit_layer is not None and self.force_exit_layer not in self.exit_layers:
             raise ExitConfigError(f"force_exit_layer {self.force_exit_layer} is not one of "
                                   f"the exit layers {self.exit_layers}")

@@ -108,3 +108,28 @@ def pick_threshold(table: CalibrationTable, target_agreement: float,
             break
         chosen = t
     return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ee_jax.training.calibrate --config PRESET [--heads DIR]`: re-pick the
+    threshold of saved heads on the preset's calibration answers (the heads stay as they are)."""
+    import argparse
+    import json
+
+    from ee_jax.models.loading import load_model
+    from ee_jax.training.tune import TuneConfig, calibrate_heads
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--heads", help="heads folder (default: the preset's output)")
+    ap.add_argument("--target-agreement", type=float)
+    a = ap.parse_args(argv)
+    tc = TuneConfig.from_yaml(a.config, target_agreement=a.target_agreement)
+    model = load_model(tc.model, dtype="float32", progress=False)
+    cal = calibrate_heads(tc, model, a.heads or tc.output)
+    print(json.dumps({k: cal[k] for k in ("threshold", "target_agreement", "delta", "n")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -218,21 +218,83 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
     rng = np.random.default_rng(tc.seed)
     train = train[rng.permutation(len(train))]
     held = data.pack(stdlib_ids("eval"), tc.seq_len, sep, tc.eval_sequences)
-    calib = np.zeros((0, tc.seq_len), np.int32)
-    if tc.calib_instructions or tc.calib_code_prompts:
-        citems = ([("chat", s) for s in data.instructions("calib", tc.calib_instructions,
-                                                           tc.seed)]
-                  + [("code", s) for s in data.code_prompts("calib", tc.calib_code_prompts,
-                                                            tc.seed)])
-        cgen = self_generate(model, citems, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
-                             cache=work / "selfgen.jsonl", progress=progress)
-        calib = data.pack(cgen, tc.seq_len, sep)
+    calib, scored = calibration_rows(tc, model, progress)
     work.mkdir(parents=True, exist_ok=True)
-    np.savez(cached, train=train, eval=held, calib=calib)
+    np.savez(cached, train=train, eval=held, calib=calib, calib_scored=scored)
     _log(f"data: {len(own)} self-generated + {0 if std is None else len(std)} stdlib rows of "
          f"{tc.seq_len} tokens; {len(held)} held-out rows; {len(calib)} calibration rows "
          f"-> {cached}")
     return train, held
+
+
+def calibration_rows(tc: TuneConfig, model, progress: bool = True
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [N, T], scored [N, T] bool): the model's own answers to the "calib" split, packed;
+    `scored` marks the positions that predict an answer token (what serving emits), not the
+    prompt's."""
+    from ee_jax.training.selfgen import self_generate
+
+    empty = np.zeros((0, tc.seq_len), np.int32)
+    if not (tc.calib_instructions or tc.calib_code_prompts):
+        return empty, empty.astype(bool)
+    tok = model.tokenizer
+    sep = (model.config.eos_token_ids or (None,))[0]
+    items = ([("chat", s) for s in data.instructions("calib", tc.calib_instructions, tc.seed)]
+             + [("code", s) for s in data.code_prompts("calib", tc.calib_code_prompts,
+                                                       tc.seed)])
+    gen = self_generate(model, items, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
+                        cache=Path(tc.work_dir) / "selfgen.jsonl", progress=progress)
+    masks = []
+    for (kind, text), ids in zip(items, gen, strict=True):
+        prompt = (tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True))
+                  if kind == "chat" else tok.encode(text))
+        start = len(prompt) - 1 if list(ids[:len(prompt)]) == list(prompt) else 0
+        masks.append([int(start <= j < len(ids) - 1) for j in range(len(ids))])
+    rows = data.pack(gen, tc.seq_len, sep)
+    scored = data.pack(masks, tc.seq_len, None if sep is None else 0).astype(bool)
+    return rows, scored
+
+
+def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True
+                    ) -> dict:
+    """Refit only the threshold of saved heads (measure "candidates") on the calibration
+    answers, and rewrite their exit_config.json and calibration.json."""
+    from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
+
+    cfg, params = model.config, model.params
+    ec, heads = load_exit_heads(heads_dir, cfg)
+    calib, scored = calibration_rows(tc, model, progress)
+    cal = _calibration(cfg, params, ec, heads, calib, scored, tc, progress)
+    ec = dataclasses.replace(ec, threshold=cal["threshold"],
+                             target_agreement=tc.target_agreement)
+    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal)
+    return cal
+
+
+def _calibration(cfg, params, ec, heads, calib, scored, tc: TuneConfig, progress: bool
+                 ) -> dict:
+    from ee_jax.training import cached as C
+    from ee_jax.training import calibrate
+
+    ccache = C.cache_states(cfg, params, calib, ec.exit_layers, 1, progress=progress)
+    n_all = calib.size
+    hs = ccache["hs"].transpose(0, 2, 1, 3).reshape(n_all, len(ec.exit_layers), -1)
+    cf, ca = C.decision_data(cfg, ec, params, heads, hs, calib.reshape(-1),
+                             ccache["top"][..., 0].reshape(-1), progress=progress)
+    keep = scored.reshape(-1)
+    cf, ca = cf[:, keep], ca[:, keep]
+    table = calibrate.calibration_table(C.confidences(heads, cf), ca, ec.exit_layers,
+                                        cfg.n_layers, min_exit_layer=ec.min_exit_layer)
+    thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
+    i = table.thresholds.index(thr) if thr in table.thresholds else None
+    _log(f"calibrated threshold {thr} for TF agreement >= {tc.target_agreement} with "
+         f"probability >= {1 - tc.calib_delta} on {table.n} calibration answer tokens"
+         + ("" if i is None else f": {table.errors[i]} errors, mean layers "
+            f"{table.mean_layers[i]:.2f}"))
+    return {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
+            "threshold": thr, "calib_agreement_per_exit": ca.mean(1).round(4).tolist(),
+            **table.to_json()}
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -385,14 +447,17 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     calibrated threshold. No mid-run checkpoints: the cache makes a run short."""
     from ee_jax.models.exit_checkpoint import save_exit_heads
     from ee_jax.training import cached as C
-    from ee_jax.training import calibrate
 
     cfg, params = model.config, model.params
     ec = tc.exit_config()
     ec.validate_for(cfg)
     if train is None:
         train, held_out = build_data(tc, model, progress)
-        calib = np.load(Path(tc.work_dir) / f"data-{tc.data_key()}.npz")["calib"]
+        z = np.load(Path(tc.work_dir) / f"data-{tc.data_key()}.npz")
+        calib, scored = ((z["calib"], z["calib_scored"]) if "calib_scored" in z
+                         else calibration_rows(tc, model, progress))
+    elif calib is not None:
+        scored = np.ones(calib.shape, bool)
     if len(train) < tc.batch_size:
         raise TuneConfigError(f"only {len(train)} training rows for batch_size "
                               f"{tc.batch_size}: add data or lower batch_size")
@@ -442,24 +507,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         _log("decision MLPs: BCE per exit " + " ".join(f"{b:.3f}" for b in bce)
              + "; agreement per exit " + " ".join(f"{a:.3f}" for a in agree.mean(1)))
         if calib is not None and len(calib):
-            ccache = C.cache_states(cfg, params, calib, ec.exit_layers, 1, progress=progress)
-            n = calib.size
-            hs = ccache["hs"].transpose(0, 2, 1, 3).reshape(n, len(ec.exit_layers), -1)
-            cf, ca = C.decision_data(cfg, ec, params, heads, hs, calib.reshape(-1),
-                                     ccache["top"][..., 0].reshape(-1), progress=progress)
-            table = calibrate.calibration_table(C.confidences(heads, cf), ca, ec.exit_layers,
-                                                cfg.n_layers,
-                                                min_exit_layer=ec.min_exit_layer)
-            thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
-            calibration = {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
-                           "threshold": thr, "calib_agreement_per_exit":
-                           ca.mean(1).round(4).tolist(), **table.to_json()}
-            ec = dataclasses.replace(ec, threshold=thr)
-            i = table.thresholds.index(thr) if thr in table.thresholds else None
-            _log(f"calibrated threshold {thr} for TF agreement >= {tc.target_agreement} with "
-                 f"probability >= {1 - tc.calib_delta} on {n} calibration tokens"
-                 + ("" if i is None else f": {table.errors[i]} errors, mean layers "
-                    f"{table.mean_layers[i]:.2f}"))
+            calibration = _calibration(cfg, params, ec, heads, calib, scored, tc, progress)
+            ec = dataclasses.replace(ec, threshold=calibration["threshold"])
     out = None
     if save:
         extra = {"calibration": calibration, "timings_s": marks}
