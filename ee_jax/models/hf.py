@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
@@ -259,9 +261,23 @@ def config_from_hf(config: dict[str, Any], *, source: str = "config.json",
         raise ModelLoadError(f"{source} does not describe a valid model: {e}") from e
 
 
-# place(path, host array) -> the array where it should live (device, shards): a parameter
-# leaf at a time, path as in the params tree, e.g. ("layers", "wq").
-Placer = Callable[[tuple[str, ...], np.ndarray], Any]
+# where(path, ndim) -> the sharding a parameter leaf goes to (None: the default device); path
+# as in the params tree, e.g. ("layers", "wq").
+Placer = Callable[[tuple[str, ...], int], Any]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_layer(stacked: jax.Array, x: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
+
+
+def _device_stack(pieces, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    """Stack host arrays into one device array [L, ...] a piece at a time, in place (the
+    stacked leaf is never on the host, nor twice on the device)."""
+    stacked = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    for i, x in enumerate(pieces):
+        stacked = _set_layer(stacked, jax.device_put(x), jnp.int32(i))
+    return stacked
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -302,16 +318,17 @@ def _expected_hf_shapes(cfg: ModelConfig, tensors: dict[str, str]) -> dict[str, 
     return out
 
 
-def load_hf(folder: str | os.PathLike, dtype: str = "float32", place: Placer | None = None
+def load_hf(folder: str | os.PathLike, dtype: str = "float32",
+            placement: Callable[[ModelConfig], Placer] | None = None
             ) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face folder of a supported family (`FAMILIES`): `config.json` plus
     `model.safetensors` or a sharded `model.safetensors.index.json`. Returns the config and
     the checked param tree.
 
     Weights go to the target dtype tensor by tensor and to the device one parameter leaf at a
-    time (`place(path, array)`: by default a plain transfer; `sharding.placer` puts each leaf
-    straight on its shards), so the host holds the model once in `dtype` plus one stacked
-    leaf, never the whole model in f32."""
+    time, layer by layer into its stacked device array (`placement(cfg)(path, ndim)` names
+    the leaf's sharding: `sharding.placement` puts each leaf straight on its shards), so the
+    host never holds the whole model, nor anything in f32 beyond one tensor."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -333,7 +350,7 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32", place: Placer | N
     shapes = param_shapes(cfg)
     L = cfg.n_layers
     target = np.dtype(cfg.jnp_dtype)
-    place = place or (lambda _path, a: jnp.asarray(a))
+    where_to = placement(cfg) if placement else (lambda _path, _ndim: None)
 
     where: dict[str, Any] = {}  # tensor name -> open file handle
     unexpected, misshaped = [], []
@@ -376,13 +393,13 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32", place: Placer | N
         params: Params = {}
         for name, key in GLOBAL_TENSORS.items():
             if name in where:  # HF's lm_head is [V, D]: ours is input-major [D, V]
-                params[key] = place((key,), read(name, name == "lm_head.weight"))
+                a = read(name, name == "lm_head.weight")
+                params[key] = jax.device_put(a, where_to((key,), a.ndim))
         params["layers"] = {}
         for suffix, key in tensors.items():
-            stacked = np.empty((L, *shapes["layers"][key].shape[1:]), target)
-            for i in range(L):
-                stacked[i] = read(f"model.layers.{i}.{suffix}", stacked.ndim == 3)
-            params["layers"][key] = place(("layers", key), stacked)
-            del stacked
+            shape = (L, *shapes["layers"][key].shape[1:])
+            pieces = (read(f"model.layers.{i}.{suffix}", len(shape) == 3) for i in range(L))
+            params["layers"][key] = _device_stack(pieces, shape, target,
+                                                  where_to(("layers", key), len(shape)))
     check_params(cfg, params, source=str(folder))
     return cfg, params

@@ -30,18 +30,26 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
-               quantize: str | None = None, progress: bool = True) -> LoadedModel:
+               quantize: str | None = None, progress: bool = True,
+               mesh: str | None = None) -> LoadedModel:
     """A registry name (`smollm2-135m-instruct`), a .gguf file, a Hugging Face folder
     (config.json + safetensors) or an ee-jax orbax checkpoint folder.
 
     quantize="int8": the layer weights become int8 with per-output-channel scales once
-    loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`."""
+    loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`.
+    mesh="tp=4,dp=2": a Hugging Face folder's weights go straight to their shards as they
+    are read (other formats are sharded by the engine after loading)."""
     quant.check_quantize(quantize)  # before minutes of loading
     t0 = time.perf_counter()
     kind, path = registry.resolve_model(name_or_path)
     if progress:
         print(f"[ee-jax] loading {name_or_path} ({kind}: {path})", file=sys.stderr)
-    cfg, params = registry.load_params(name_or_path, dtype=dtype)
+    placement = None
+    if mesh and not quantize:
+        from ee_jax.serving.sharding import placement as shard_placement
+
+        placement = shard_placement(mesh)
+    cfg, params = registry.load_params(name_or_path, dtype=dtype, placement=placement)
     params = quant.quantize_params(params, quantize)
     tokenizer = None
     if kind == "gguf":

@@ -106,9 +106,10 @@ def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:
                          f"{accepted}.")
 
 
-def load_params(name_or_path: str | os.PathLike,
-                dtype: str = "float32") -> tuple[ModelConfig, Params]:
-    """Resolve `name_or_path` and load it as (config, params) in `dtype`.
+def load_params(name_or_path: str | os.PathLike, dtype: str = "float32",
+                placement=None) -> tuple[ModelConfig, Params]:
+    """Resolve `name_or_path` and load it as (config, params) in `dtype`. `placement`
+    (Hugging Face folders): where each leaf goes as it is read (`sharding.placement`).
 
     A checkpoint is restored in the dtype it was saved in, then cast if `dtype` differs.
     """
@@ -120,7 +121,7 @@ def load_params(name_or_path: str | os.PathLike,
     if kind == "hf":
         from ee_jax.models.hf import load_hf
 
-        return load_hf(path, dtype=dtype)
+        return load_hf(path, dtype=dtype, placement=placement)
     from ee_jax.models.checkpoint import restore_checkpoint
     from ee_jax.models.llama import cast_params
 

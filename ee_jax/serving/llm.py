@@ -39,7 +39,8 @@ class LLM:
         int8 layer weights (per-output-channel scales; exit heads stay in the model dtype)."""
         t0 = time.perf_counter()
         self.model = quantize_model(model, quantize) if isinstance(model, LoadedModel) else \
-            load_model(model, dtype=dtype, quantize=quantize, progress=progress)
+            load_model(model, dtype=dtype, quantize=quantize, progress=progress,
+                       mesh=engine_kwargs.get("mesh"))
         if not early_exit:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:

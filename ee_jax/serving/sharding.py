@@ -157,6 +157,25 @@ def shard(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(jax.device_put, tree, shardings)
 
 
+def placement(spec: str | MeshSpec):
+    """For loaders: cfg -> where(path, ndim), the sharding of each parameter leaf, so the
+    loader puts it straight on its shards as it is read (`ee_jax.models.hf.load_hf`): a
+    sharded model is never whole on one device or in host memory."""
+    spec = MeshSpec.parse(spec)
+
+    def for_config(cfg: ModelConfig):
+        spec.validate_for(cfg)
+        mesh = spec.make_mesh()
+        rules = logical_rules(cfg, mesh)
+
+        def where(path: tuple[str, ...], ndim: int) -> NamedSharding:
+            return NamedSharding(mesh, spec_for(PARAM_AXES.get(path[-1], ()), ndim, rules))
+
+        return where
+
+    return for_config
+
+
 def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec_for(CACHE_AXES, len(CACHE_AXES), logical_rules(cfg, mesh)))
 

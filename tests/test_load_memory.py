@@ -1,0 +1,84 @@
+"""Loading goes straight to the target dtype and placement: peak host memory while loading a
+bf16 model stays near the bf16 weights (a model made here, loaded in a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs in a fresh process: the peak of the memory the load allocates (anonymous resident
+# memory, sampled every 2 ms, over what the process held after its imports). The checkpoint's
+# own pages, mapped read-only from the file by safetensors, are page cache the kernel can drop
+# at any time, and are not counted.
+_PROBE = r"""
+import json, sys, threading, time
+import jax, numpy as np
+from ee_jax.models.loading import load_model
+jax.numpy.zeros(1).block_until_ready()
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+base, peak, done = anon(), [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+t = threading.Thread(target=sample)
+t.start()
+m = load_model(sys.argv[1], dtype="bfloat16", progress=False, mesh=sys.argv[2] or None)
+done.set()
+t.join()
+leaves = jax.tree.leaves(m.params)
+print(json.dumps({"peak": max(peak[0], anon()) - base, "bytes": sum(x.nbytes for x in leaves),
+                  "dtypes": sorted({str(x.dtype) for x in leaves}),
+                  "devices": max(len(x.sharding.device_set) for x in leaves)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    """A Llama of ~300 MB in bf16: big enough that the loader's fixed costs (a few small
+    programs it compiles) do not decide the ratio, as they do not for real models."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("bf16-llama")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _probe(folder: Path, mesh: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(folder), mesh], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("mesh, bound", [("", 1.3),
+                                         # straight to 4 shards: the loader's small programs
+                                         # are SPMD programs over 4 devices, a little dearer
+                                         ("tp=4", 1.45)])
+def test_bf16_load_peak_host_memory_is_near_the_weights(bf16_folder, mesh, bound):
+    r = _probe(bf16_folder, mesh)
+    assert r["dtypes"] == ["bfloat16"]
+    assert r["devices"] == (4 if mesh else 1)
+    weights = r["bytes"]
+    assert 290e6 < weights < 340e6
+    assert r["peak"] <= bound * weights, (r["peak"] / weights, r)
+    assert np.isfinite(r["peak"])
