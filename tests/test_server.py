@@ -10,10 +10,15 @@ not depend on what shares a batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -26,6 +31,7 @@ from ee_jax.random_model import random_model
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.serving.server import BackgroundServer, ServerConfig
+from ee_jax.serving.server.run import free_port
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -410,6 +416,37 @@ def test_cli_mistakes_end_in_one_line(argv, words, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ee-jax: error: ") and words in err[0], err
+
+
+@pytest.mark.slow
+def test_ee_jax_serve_command(tmp_path):
+    """`ee-jax serve` in its own process: serves, refuses a wrong key, stops on Ctrl-C."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", "random", "--port",
+           str(port), "--api-key", KEY, "--max-model-len", "256", "--num-pages", "64",
+           "--quiet"]
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        r = client.completions.create(model="random", prompt="hi", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    assert rc == 0, (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
 # ----------------------------------------------------------------- shutdown (runs last)
