@@ -114,30 +114,6 @@ def test_check_params_accepts_the_int8_tree_and_still_checks_shapes():
     assert cast["layers"]["wq"].q.dtype == jnp.int8 and cast["embed"].dtype == jnp.bfloat16
 
 
-def test_quantizing_placement_equals_quantize_params():
-    """The loader hook gives the same int8 tree, layer weight by layer weight, from host
-    arrays, and hands q (under the weight's path) and scale to the inner placement."""
-    seen = []
-
-    def inner(path, a):
-        seen.append((path, np.asarray(a).dtype))
-        return jnp.asarray(a)
-
-    placer = quant.quantizing_placement(lambda cfg: inner)(CFG)
-    got = {"layers": {k: placer(("layers", k), np.asarray(v))
-                      for k, v in PARAMS["layers"].items()},
-           "embed": placer(("embed",), np.asarray(PARAMS["embed"]))}
-    for k in quant.QUANTIZED_KEYS:
-        np.testing.assert_array_equal(np.asarray(got["layers"][k].q),
-                                      np.asarray(QPARAMS["layers"][k].q))
-        np.testing.assert_array_equal(np.asarray(got["layers"][k].scale),
-                                      np.asarray(QPARAMS["layers"][k].scale))
-    assert (("layers", "wq"), np.int8) in seen
-    assert (("layers", "wq", "scale"), np.float32) in seen
-    assert (("layers", "attn_norm"), np.float32) in seen and (("embed",), np.float32) in seen
-    assert not isinstance(got["layers"]["attn_norm"], quant.QArray)
-
-
 # --------------------------------------------------------------------------- logits
 
 

@@ -18,12 +18,10 @@ shared head (candidate sets), and the embedding's gather stays exact.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ee_jax.models.config import ConfigError
 
@@ -116,35 +114,6 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
     computes what the int8 one does: the tests' reference)."""
     return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QArray) else a,
                         params, is_leaf=is_qarray)
-
-
-Placer = Callable[[tuple[str, ...], Any], Any]  # place(path, host array) -> placed array
-
-
-def quantizing_placement(placement: Callable[[Any], Placer] | None = None
-                         ) -> Callable[[Any], Placer]:
-    """For loaders that place a leaf at a time (`placement(cfg)(path, host array)`, see
-    `ee_jax.models.hf.load_hf`): each layer weight is quantized on the host CPU as it is read,
-    so the accelerator never holds it in the model dtype, and loading peaks at the int8 model
-    plus one host leaf rather than the model in `dtype` plus its int8 copy. The inner
-    `placement` (default: a plain transfer; `sharding.placement` for shards) places `q` under
-    the weight's own path (it has the weight's shape and axes) and `scale` under
-    (*path, "scale") (the weight's axes without the input axis); other leaves unchanged."""
-
-    def for_config(cfg) -> Placer:
-        place = placement(cfg) if placement else (lambda _path, a: jax.device_put(a))
-        cpu = jax.devices("cpu")[0]
-
-        def place_leaf(path: tuple[str, ...], a):
-            if len(path) == 2 and path[0] == "layers" and path[1] in QUANTIZED_KEYS:
-                qa = quantize_weight(jax.device_put(a, cpu))  # on the host's CPU device
-                return QArray(place(path, np.asarray(qa.q)),
-                              place((*path, "scale"), np.asarray(qa.scale)))
-            return place(path, a)
-
-        return place_leaf
-
-    return for_config
 
 
 def is_quantized(params: dict) -> bool:
