@@ -50,7 +50,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
 
         placement = shard_placement(mesh)
     cfg, params = registry.load_params(name_or_path, dtype=dtype, placement=placement)
-    params = quant.quantize_params(params, quantize)
+    params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
     tokenizer = None
     if kind == "gguf":
         # The model's own tokenization (SmolLM2's tokenizer.json splits digits; transformers'

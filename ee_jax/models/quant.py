@@ -96,17 +96,20 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     return (w.q.astype(jnp.float32) * w.scale[..., None, :]).astype(dtype)
 
 
-def quantize_params(params: dict, quantize: str | None = "int8") -> dict:
+def quantize_params(params: dict, quantize: str | None = "int8", *,
+                    consume: bool = False) -> dict:
     """The layer weights (`QUANTIZED_KEYS`) as QArrays; everything else (embedding, LM head,
     norms, biases) unchanged. quantize None: `params` as they are. Already quantized
-    weights are kept."""
+    weights are kept. consume=True (a loader's fresh tree): `params["layers"]` is updated in
+    place, so each weight in the model dtype can be freed as soon as its int8 replaces it
+    (peak: the model in its dtype plus one int8 leaf, not plus the whole int8 model)."""
     if check_quantize(quantize) is None:
         return params
-    layers = dict(params["layers"])
+    layers = params["layers"] if consume else dict(params["layers"])
     for key in QUANTIZED_KEYS:
         if not isinstance(layers[key], QArray):
             layers[key] = quantize_weight(layers[key])
-    return dict(params, layers=layers)
+    return params if consume else dict(params, layers=layers)
 
 
 def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
