@@ -297,6 +297,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
 @pytest.mark.parametrize("body, key, status, param, words", [
     ("{not json", KEY, 400, None, "not valid JSON"),
     ("[1, 2]", KEY, 400, None, "JSON object"),
+    ("[" * 10_000 + "]" * 10_000, KEY, 400, None, "nested too deeply"),
     ({"model": "gpt-4", "prompt": "hi"}, KEY, 404, "model", "does not exist"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, KEY, 400, "max_tokens", "positive"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, KEY, 400, "max_tokens", "positive"),

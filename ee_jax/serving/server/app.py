@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import itertools
 import json
 import sys
 import time
@@ -156,7 +155,6 @@ class _State:
         self.num_layers = engine.model_config.n_layers
         self.created = int(time.time())
         self.pending = 0
-        self._ids = itertools.count()
 
     # -- checks ------------------------------------------------------------------------
 
@@ -190,6 +188,8 @@ class _State:
             return json.loads(b"".join(chunks))
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
 
     def encode(self, text: str, field: str) -> list[int]:
         try:
