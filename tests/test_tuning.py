@@ -98,11 +98,13 @@ def test_tune_config_yaml_rejects_unknown_settings(tmp_path):
 def test_shipped_preset_parses_and_fits_smollm2():
     from ee_jax.models.config import ModelConfig
 
-    tc = TuneConfig.from_yaml("configs/tune-smollm2-135m.yaml")
     smollm2 = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                           head_dim=64, ffn_dim=1536)
-    tc.exit_config().validate_for(smollm2)
+    for preset in ("configs/tune-smollm2-135m.yaml", "configs/tune-smollm2-135m-subset.yaml"):
+        TuneConfig.from_yaml(preset).exit_config().validate_for(smollm2)
+    tc = TuneConfig.from_yaml("configs/tune-smollm2-135m-subset.yaml")  # the shipped heads'
     assert tc.output.endswith("ee_jax/assets/smollm2-135m-instruct/exit_heads")
+    assert tc.method == "cached" and tc.exit_config().measure == "candidates"
 
 
 def test_data_splits_are_disjoint_and_deterministic():

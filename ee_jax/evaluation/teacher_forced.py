@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", type=int, default=48)
     ap.add_argument("--humaneval", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workloads", nargs="*", default=None,
+                    help="first words of the workloads to run (held-out, HumanEval, general)")
     ap.add_argument("--thresholds", type=float, nargs="*", default=None,
                     help="thresholds for the new heads (default: calibrated, and nearby)")
     ap.add_argument("--cache", default="runs/eval-v2/selfgen.jsonl")
@@ -172,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             variants["baseline"] = base
             thresholds["baseline"] = [0.8, 0.9]
-    res = evaluate_heads(model, variants, workload_items(a.instructions, a.humaneval),
+    work = workload_items(a.instructions, a.humaneval)
+    if a.workloads:
+        work = {k: v for k, v in work.items() if k.split()[0] in a.workloads}
+    res = evaluate_heads(model, variants, work,
                          thresholds, cache=Path(a.cache), max_tokens=a.max_tokens,
                          dump=Path(a.dump) if a.dump else None)
     res.update(date=time.strftime("%Y-%m-%d %H:%M"), command="python -m "

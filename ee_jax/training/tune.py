@@ -268,7 +268,11 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
     cal = _calibration(cfg, params, ec, heads, calib, scored, tc, progress)
     ec = dataclasses.replace(ec, threshold=cal["threshold"],
                              target_agreement=tc.target_agreement)
+    record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
+    kept = record.read_text() if record.is_file() else None
     save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal)
+    if kept is not None:
+        record.write_text(kept)
     return cal
 
 
