@@ -303,6 +303,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
     ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, KEY, 400, "max_tokens", "positive"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, KEY, 400, "temperature", "number"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, KEY, 400, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_k": 2**40}, KEY, 400, "top_k", "below 2**31"),
     ({"model": MODEL}, KEY, 400, "prompt", "required"),
     ({"model": MODEL, "prompt": [1, 2, 999]}, KEY, 400, "prompt", "vocabulary"),
     ({"model": MODEL, "prompt": "x" * 101}, KEY, 400, "prompt", "at most 100"),

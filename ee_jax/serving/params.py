@@ -82,9 +82,9 @@ class SamplingParams:
                 "temperature")
         if not 0 < _finite("top_p", self.top_p) <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not _is_int(self.top_k):
-            raise InvalidRequestError(f"top_k must be an integer (<= 0 disables), got "
-                                      f"{self.top_k!r}", "top_k")
+        if not _is_int(self.top_k) or not -2**31 <= self.top_k < 2**31:  # an int32 on device
+            raise InvalidRequestError(f"top_k must be an integer below 2**31 (<= 0 disables), "
+                                      f"got {self.top_k!r}", "top_k")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**31):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**31), got "
                                       f"{self.seed!r}", "seed")
