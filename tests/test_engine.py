@@ -247,8 +247,8 @@ def test_precompile_covers_every_shape_a_run_meets():
     traces and compiles nothing new."""
     import jax
 
-    engine = make_engine(max_num_seqs=4, max_model_len=48, batch_buckets=(1, 2, 4),
-                         max_num_batched_tokens=32)
+    engine = make_engine(max_num_seqs=2, max_model_len=32, batch_buckets=(1, 2), page_size=8,
+                         max_num_batched_tokens=16)
     n = engine.precompile(progress=False)
     assert n == len(engine.runner.traces) == len(engine.scheduler.config.step_shapes())
     traced = dict(engine.runner.traces)
@@ -256,7 +256,7 @@ def test_precompile_covers_every_shape_a_run_meets():
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    outs = run(engine, [p[:30] for p in PROMPTS], greedy(10))
-    assert all(o.finish_reason == "length" for o in outs)
+    outs = run(engine, [p[:20] for p in PROMPTS], greedy(8))  # chunks of 16 and of 4
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in outs)
     assert engine.runner.traces == traced
     assert compiles == []
