@@ -183,14 +183,20 @@ def _serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"ee-jax: warning: serving on {args.host} without --api-key: anyone who can "
               f"reach this port can use the model", file=sys.stderr)
+    _join_processes(args)
     model = _load_model(args)
     llm = LLM(model, **_engine_kwargs(args), **_exit_kwargs(args, model))
+    if _follower(llm):  # another process serves HTTP; this one runs its steps
+        return 0
     _precompile(args, llm)
     ec = llm.engine.exit_config
     print(f"ee-jax: serving {config.model_name!r} on http://{config.host}:{config.port}/v1 "
           f"({'early exit: ' + ec.policy + f', threshold {ec.threshold}' if ec else 'full depth'}"
           f"); Ctrl-C stops", file=sys.stderr)
-    serve(llm.engine, config)
+    try:
+        serve(llm.engine, config)
+    finally:
+        llm.engine.stop_followers()
     return 0
 
 
