@@ -13,6 +13,7 @@ projection and after the MLP down projection).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--attention", default="auto", help="attention backend (EngineConfig)")
     p.add_argument("--layers", type=int, default=4, help="layers of the shaped model (the "
                    "per-layer count does not depend on it)")
     args = p.parse_args(argv)
@@ -45,12 +47,13 @@ def main(argv=None) -> int:
         engine = LLMEngine(cfg, params, None, EngineConfig(
             max_num_seqs=B, max_model_len=256, page_size=16, num_pages=B * 16 + 1,
             batch_buckets=(B,), mesh=f"tp={tp}" if tp > 1 else None,
-            compilation_cache_dir=None))
+            compilation_cache_dir=None, attention=args.attention))
         runner = engine.runner
         shape = StepShape(B, 1, 16, kind="decode")
         buf = jax.ShapeDtypeStruct((shape.size,), np.int32)
-        hlo = runner._step.lower(shape, runner.params, runner.exit_heads, runner.cache, buf,
-                                 runner.last_tokens).compile().as_text()
+        with jax.set_mesh(runner.mesh) if runner.mesh is not None else contextlib.nullcontext():
+            hlo = runner._step.lower(shape, runner.params, runner.exit_heads, runner.cache,
+                                     buf, runner.last_tokens).compile().as_text()
         by_comp: dict[str, list[str]] = {}
         counts, nbytes, comp = {}, 0, "?"
         for line in hlo.splitlines():

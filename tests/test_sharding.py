@@ -79,3 +79,26 @@ def test_bad_meshes_are_refused_clearly(spec, match):
     with pytest.raises(MeshError, match=match):
         LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40,
                                                   mesh=spec))
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])  # KV heads (2) split, and replicated
+def test_sharded_step_never_gathers_the_cache(mesh):
+    """Per layer only the Megatron all-reduces: no collective moves the KV cache."""
+    import re
+
+    from ee_jax.serving.model_runner import StepShape
+
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+        max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
+        mesh=mesh, compilation_cache_dir=None))
+    r = engine.runner
+    shape = StepShape(4, 1, 16, kind="decode")
+    with jax.set_mesh(engine.mesh):
+        hlo = r._step.lower(shape, r.params, r.exit_heads, r.cache,
+                            jax.ShapeDtypeStruct((shape.size,), np.int32),
+                            r.last_tokens).compile().as_text()
+    cache_dims = ",".join(str(d) for d in r.cache.k.shape[:3])  # [layers, pages, page_size, ..
+    collectives = re.findall(r"\[([\d,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|"
+                             r"collective-permute)", hlo)
+    assert collectives, "a tensor-parallel step must have its all-reduces"
+    assert not [c for c in collectives if c.startswith(cache_dims)], collectives

@@ -88,12 +88,28 @@ def backend_by_name(name: str) -> Backend:
     return attention_kernels.select_backend(name)
 
 
+def _keep_sharding(cache: KVCache, cfg: ModelConfig) -> KVCache:
+    """Under a mesh (the runner traces sharded steps inside `jax.set_mesh`) where the KV heads
+    are replicated (tp does not divide them), pin the cache replicated after each write:
+    otherwise XLA reshards it to suit the query heads' split and gathers it whole every step
+    (bench/collectives.py)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return cache
+    from ee_jax.serving.sharding import cache_spec
+
+    spec = cache_spec(cfg, dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)))
+    if any(spec):  # KV heads split over tp: XLA keeps that layout by itself (pinning it
+        return cache  # measured worse: the XLA attention path then gathered the cache)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), cache)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
            meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
            ) -> tuple[jax.Array, KVCache]:
     """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
     attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache)."""
-    cache = write_kv(cache, layer, meta, k, v)
+    cache = _keep_sharding(write_kv(cache, layer, meta, k, v), cfg)
     out = backend_by_name(backend)(q, cache, layer, meta, scale=cfg.attn_scale,
                                    window=llama.layer_window(cfg, layer),
                                    softcap=cfg.attn_logit_softcap)

@@ -236,10 +236,16 @@ class LLMEngine:
             mesh = spec.make_mesh()
             cache_sharding = sharding.cache_sharding(cfg, mesh)
         self.mesh = mesh
+        attention = config.attention
+        if attention == "auto" and mesh is not None and mesh.size > 1:
+            # Sharded: the gather reference keeps the Megatron minimum of collectives; the XLA
+            # path's row gather over a reshaped cache made XLA gather the whole cache per
+            # layer when KV heads are split (bench/collectives.py).
+            attention = "reference"
         self.runner = ModelRunner(cfg, params,
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
                                                  sharding=cache_sharding),
-                                  exit_config, exit_heads, attention=config.attention,
+                                  exit_config, exit_heads, attention=attention,
                                   max_batch=max(config.batch_buckets), mesh=mesh)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read

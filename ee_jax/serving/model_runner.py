@@ -8,6 +8,7 @@ steady state never recompiles.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -220,8 +221,9 @@ class ModelRunner:
             dev = jax.device_put(buf)  # a transfer (jnp.asarray compiles per shape)
         else:
             dev = sharding.shard(buf, sharding.replicated(self.mesh))
-        self.cache, out, self.last_tokens = self._step(
-            shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens)
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            self.cache, out, self.last_tokens = self._step(
+                shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens)
         return out
 
     def follow(self) -> int:
@@ -245,8 +247,9 @@ class ModelRunner:
         """Compile the step of `shape` ahead of time, without running it (jit reuses the
         compiled program when a batch of that shape comes)."""
         buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
-        self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
-                         self.last_tokens).compile()
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
+                             self.last_tokens).compile()
 
     @property
     def num_traces(self) -> int:

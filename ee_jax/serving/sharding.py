@@ -112,9 +112,10 @@ class MeshSpec:
         return Mesh(grid, MESH_AXES)
 
 
-def logical_rules(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
-    """Logical axis -> mesh axis for this model on this mesh (the one table)."""
-    tp = mesh.shape["tp"]
+def logical_rules(cfg: ModelConfig, mesh) -> dict[str, str | None]:
+    """Logical axis -> mesh axis for this model on this mesh (the one table); `mesh`: a Mesh
+    or its axis sizes {"dp": .., "tp": ..}."""
+    tp = dict(mesh.shape)["tp"] if hasattr(mesh, "shape") else mesh["tp"]
     return {"batch": "dp", "heads": "tp", "mlp": "tp", "vocab": "tp",
             "kv_heads": "tp" if cfg.n_kv_heads % tp == 0 else None,  # GQA: replicate
             "embed": None}
@@ -176,8 +177,12 @@ def placement(spec: str | MeshSpec):
     return for_config
 
 
+def cache_spec(cfg: ModelConfig, mesh) -> PartitionSpec:
+    return spec_for(CACHE_AXES, len(CACHE_AXES), logical_rules(cfg, mesh))
+
+
 def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, spec_for(CACHE_AXES, len(CACHE_AXES), logical_rules(cfg, mesh)))
+    return NamedSharding(mesh, cache_spec(cfg, mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
