@@ -4,6 +4,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import InvalidRequestError, SamplingParams, greedy
@@ -260,3 +262,25 @@ def test_precompile_covers_every_shape_a_run_meets():
     assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in outs)
     assert engine.runner.traces == traced
     assert compiles == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.integers(1, 9), model_len=st.integers(8, 200), page=st.sampled_from([1, 4, 16]),
+       chunk=st.sampled_from([1, 4, 16, 32, 64]), budget=st.integers(1, 100))
+def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chunk, budget):
+    """`step_shapes` (what precompile compiles) equals a brute-force walk over every batch the
+    scheduler can form: r rows, the longest chunk n (rows' chunks fit the token budget), and
+    the furthest position reached, start + n <= max_model_len."""
+    from ee_jax.serving.model_runner import StepShape
+    from ee_jax.serving.scheduler import SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_model_len=model_len, page_size=page,
+                          max_prefill_chunk=chunk, max_num_batched_tokens=budget,
+                          batch_buckets=(1, 2, 4, 8, 16))
+    want = {StepShape(cfg.batch_bucket(r), 1, cfg.page_bucket(end), kind="decode")
+            for r in range(1, seqs + 1) for end in range(1, model_len + 1)}
+    want |= {StepShape(cfg.batch_bucket(r), cfg.token_bucket(n), cfg.page_bucket(end),
+                       kind="prefill")
+             for r in range(1, seqs + 1) for n in range(1, min(chunk, budget) + 1)
+             if r - 1 + n <= budget for end in range(n, model_len + 1)}
+    assert set(cfg.step_shapes()) == want

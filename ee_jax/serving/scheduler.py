@@ -124,8 +124,9 @@ class SchedulerConfig:
             chunks = firsts(self.token_bucket, min(self.max_prefill_chunk, budget))
             shapes += [StepShape(b, t, w, kind="prefill")
                        for b, nb in batches.items() for t, nt in chunks.items()
-                       for w, nw in pages.items()
-                       if nb - 1 + nt <= budget and nw >= nt]
+                       for w in pages  # the furthest position a page bucket reaches
+                       if nb - 1 + nt <= budget
+                       and min(w * self.page_size, self.max_model_len) >= nt]
         return shapes
 
 
