@@ -102,3 +102,16 @@ def test_sharded_step_never_gathers_the_cache(mesh):
                              r"collective-permute)", hlo)
     assert collectives, "a tensor-parallel step must have its all-reduces"
     assert not [c for c in collectives if c.startswith(cache_dims)], collectives
+
+
+@pytest.mark.parametrize("rank, split", [(8, True), (6, False)])
+def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
+    from ee_jax.serving.sharding import param_shardings
+
+    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=rank)
+    heads = exits.init_heads(CFG, ec, PARAMS)
+    mesh = MeshSpec.parse("tp=4").make_mesh()
+    sh = param_shardings(heads, CFG, mesh)
+    assert tuple(sh["mlp"]["down"].spec) == (None, None, "tp" if split else None)
+    assert tuple(sh["mlp"]["up"].spec) == (None, "tp" if split else None, None)
+    assert all(s is None for s in sh["norm"].spec)  # [E, D]: replicated

@@ -50,6 +50,9 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "q_norm": (None,), "k_norm": (None,),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    # exit heads (ee_jax.models.exits): the adapter / MLP head's width is split like the
+    # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
+    "down": ("embed", "mlp"), "up": ("mlp", "embed"),
 }
 # The KV cache [layers, pages, page_size, kv_heads, head_dim].
 CACHE_AXES = (None, None, None, "kv_heads", None)
@@ -139,13 +142,21 @@ def _leaf_axes(path) -> tuple[str | None, ...]:
     return ()
 
 
+def divisible(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """`spec` with every axis a mesh axis does not divide left replicated."""
+    sizes = dict(mesh.shape)
+    return PartitionSpec(*(a if a is None or shape[i] % sizes[a] == 0 else None
+                           for i, a in enumerate(spec)))
+
+
 def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     """NamedShardings for a params tree (the model's, or its exit heads': leaves whose name is
-    not in `PARAM_AXES` are replicated)."""
+    not in `PARAM_AXES` are replicated, and so is any axis tp does not divide, e.g. an exit
+    head's width)."""
     rules = logical_rules(cfg, mesh)
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: NamedSharding(mesh, spec_for(_leaf_axes(path), np.ndim(a), rules)),
-        params)
+        lambda path, a: NamedSharding(mesh, divisible(
+            spec_for(_leaf_axes(path), np.ndim(a), rules), np.shape(a), mesh)), params)
 
 
 def shard(tree: Any, shardings: Any) -> Any:
