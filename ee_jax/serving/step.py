@@ -234,7 +234,11 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                                                      s.check, part)
             conf = conf if z == B else jnp.zeros((B,), conf.dtype).at[:z].set(conf)
             confident = (conf >= thresholds[s.perm]) & (n >= ec.min_exit_layer)
+            # checks that projected onto (a subset of) the vocabulary: every check of a
+            # vocabulary measure; the first check of "candidates" (it picks the candidates)
             checks = checks + int(ec.needs_vocab)
+            if ec.measure == "candidates":
+                checks = checks + (table[n] == 0).astype(jnp.int32)
         leave, done = policy.leave(confident & s.running, s.done, s.running, active[s.perm])
         rows = jnp.where(leave, s.perm, B)  # B is out of range: dropped
         if keep_logits:
