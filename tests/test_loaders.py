@@ -35,7 +35,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def tiny_model(seed: int = 0, **overrides):
-    """`tests.fakes.tiny_config` with numpy-random weights: like `fakes.tiny_model` but without
+    """`ee_jax.testing.tiny_config` with numpy-random weights: like `testing.tiny_model` but
     compiling a jax RNG kernel per leaf shape (seconds per new config on a small CPU)."""
     cfg = tiny_config(**overrides)
     rng = np.random.default_rng(seed)
