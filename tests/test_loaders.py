@@ -35,8 +35,8 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def tiny_model(seed: int = 0, **overrides):
-    """`ee_jax.testing.tiny_config` with numpy-random weights: like `testing.tiny_model` but
-    compiling a jax RNG kernel per leaf shape (seconds per new config on a small CPU)."""
+    """`ee_jax.testing.tiny_config` with numpy-random weights: like `testing.tiny_model`, but
+    without compiling a jax RNG kernel per leaf shape (seconds per new config on a small CPU)."""
     cfg = tiny_config(**overrides)
     rng = np.random.default_rng(seed)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
