@@ -127,7 +127,8 @@ def _generate(args) -> int:
 def _engine_kwargs(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
-                attention=args.attention, async_scheduling=args.async_scheduling)
+                attention=args.attention, async_scheduling=args.async_scheduling,
+                mixed_steps=args.mixed_steps)
 
 
 def _join_processes(args) -> None:
@@ -326,6 +327,8 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "pallas_tpu")
     d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch step n+1 before reading step n's tokens (default on)")
+    d.add_argument("--mixed-steps", action="store_true",
+                   help="decode rows join prefill steps (at full depth) instead of waiting")
     d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",
                    help="compile every step shape the engine can meet before serving")
     d.add_argument("--coordinator", default=None, help="several hosts: the coordinator's "

@@ -284,3 +284,25 @@ def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chu
              for r in range(1, seqs + 1) for n in range(1, min(chunk, budget) + 1)
              if r - 1 + n <= budget for end in range(n, model_len + 1)}
     assert set(cfg.step_shapes()) == want
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_mixed_steps_equal_separate_steps(overlapped):
+    """Decode rows riding along in prefill steps (at full depth) give the tokens of separate
+    steps, greedy and seeded; a long prompt arriving mid-run no longer stalls the others."""
+    rng = np.random.default_rng(11)
+    arrivals = {0: [(f"a{i}", p, SamplingParams(max_tokens=10, temperature=0.0))
+                    for i, p in enumerate(PROMPTS[:3])],
+                3: [("long", rng.integers(3, CFG.vocab_size, 60).tolist(),
+                     SamplingParams(max_tokens=5, temperature=0.0)),
+                    ("seeded", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.8,
+                                                          seed=3))],
+                6: [("late", PROMPTS[5], SamplingParams(max_tokens=6, temperature=0.0))]}
+    got = {}
+    for mixed in (False, True):
+        engine = make_engine(mixed_steps=mixed, async_scheduling=overlapped)
+        got[mixed] = _drive(engine, arrivals, abort_at={})
+        assert engine.blocks.num_used_pages == 0
+        assert (engine.stats.num_mixed_steps > 0) == mixed
+    assert got[True] == got[False]
+    assert got[True]["a0"][0] == dense_greedy(CFG, PARAMS, PROMPTS[0], 10)

@@ -80,6 +80,8 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # Launch step n+1 before reading step n's tokens (the host never waits for the device).
     async_scheduling: bool = True
+    # Decode rows join prefill steps (at full depth) instead of waiting for them.
+    mixed_steps: bool = False
     # Attention backend (ee_jax.serving.attention_kernels): "auto" = the Pallas kernels on
     # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
     attention: str = "auto"
@@ -94,7 +96,8 @@ class EngineConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets)
+            max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets,
+            mixed_steps=self.mixed_steps)
 
 
 @dataclasses.dataclass
@@ -114,6 +117,7 @@ class EngineStats:
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
     # seconds step() spent on the host: not waiting for the device, not compiling
     host_time: float = 0.0
+    num_mixed_steps: int = 0  # prefill steps that also advanced decoding requests
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
@@ -359,7 +363,8 @@ class LLMEngine:
         """Whether a row needs a token the in-flight step is still sampling, other than a
         decode row's input (which the device passes on by itself)."""
         for row in schedule.rows:
-            lo = row.start + (1 if schedule.kind == "decode" else 0)
+            lo = row.start + (1 if row.num_tokens == 1 else 0)  # a one-token row reads it
+            #                                                     from the device itself
             if any(t == PENDING for t in row.seq.tokens(lo, row.start + row.num_tokens)):
                 return True
         return False
@@ -414,7 +419,7 @@ class LLMEngine:
         for r, row in enumerate(schedule.rows):
             seq, n = row.seq, row.num_tokens
             toks = seq.tokens(row.start, row.start + n)
-            if schedule.kind == "decode" and toks[0] == PENDING:
+            if n == 1 and toks[0] == PENDING:
                 b.src_row[r] = seq.inflight_row  # still on the device: the step reads it there
                 toks = [0]
             b.tokens[r, :n] = toks
@@ -450,7 +455,10 @@ class LLMEngine:
         if schedule.kind == "prefill":
             s.num_prefill_steps += 1
             s.prefill_time += 0.0 if compiled else dt
-            s.num_prompt_tokens += sum(r.num_tokens for r in schedule.rows)
+            s.num_prompt_tokens += sum(r.num_tokens for r in schedule.rows
+                                       if r.start < len(r.seq.prompt_token_ids))
+            s.num_mixed_steps += any(r.start >= len(r.seq.prompt_token_ids)
+                                     for r in schedule.rows)
         else:
             s.num_decode_steps += 1
             s.decode_time += 0.0 if compiled else dt

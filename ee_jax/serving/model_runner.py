@@ -182,10 +182,10 @@ class ModelRunner:
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         tokens = inp["tokens"]
-        if shape.kind == "decode":
-            src = inp["src_row"]
-            from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
-            tokens = jnp.where(src >= 0, from_device, tokens[:, 0])[:, None]
+        # One-token rows whose token the previous step sampled read it from the device.
+        src = inp["src_row"]
+        from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
+        tokens = tokens.at[:, 0].set(jnp.where(src >= 0, from_device, tokens[:, 0]))
         if self.mesh is not None and self.mesh.shape["dp"] > 1:  # rows over dp
             tokens = jax.lax.with_sharding_constraint(tokens,
                                                       sharding.batch_sharding(self.mesh, 2))

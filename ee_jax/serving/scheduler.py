@@ -79,6 +79,9 @@ class SchedulerConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     min_prefill_bucket: int = 16
     min_page_bucket: int = 4
+    # Decode rows ride along in a prefill step (at full depth, one token each, within the
+    # token budget), so a running request never waits behind a long prompt.
+    mixed_steps: bool = False
 
     def __post_init__(self):
         if self.max_prefill_chunk & (self.max_prefill_chunk - 1):
@@ -232,6 +235,18 @@ class Scheduler:
             self.running.append(seq)
             rows.append(ScheduledRow(seq, seq.num_computed, n))
             budget -= n
+        if rows and cfg.mixed_steps:
+            taken = {id(r.seq) for r in rows}
+            for seq in self.running:
+                if len(rows) >= max_rows or budget <= 0:
+                    break
+                if (id(seq) in taken or seq.awaiting_finish or seq.num_pending != 1
+                        or seq.num_computed < len(seq.prompt_token_ids)
+                        or not self.blocks.can_append(seq.seq_id, seq.num_tokens)):
+                    continue
+                self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens)
+                rows.append(ScheduledRow(seq, seq.num_computed, 1))
+                budget -= 1
         if not rows:
             return None
         shape = StepShape(cfg.batch_bucket(len(rows)),
