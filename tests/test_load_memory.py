@@ -70,10 +70,14 @@ def _probe(folder: Path, mesh: str = "") -> dict:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("mesh, bound", [("", 1.3),
+# What the bound guards: a loader that builds the model on the host first (in f32, or as a
+# second whole copy) peaks at >= 2x the weights. Beyond the weights a load holds one tensor in
+# flight plus fixed costs (XLA's compiler and the small programs it compiles, one per leaf
+# shape), which vary with the machine: 1.21x / 1.33x here, 1.35x / - on the CI machine.
+@pytest.mark.parametrize("mesh, bound", [("", 1.5),
                                          # straight to 4 shards: the loader's small programs
                                          # are SPMD programs over 4 devices, a little dearer
-                                         ("tp=4", 1.45)])
+                                         ("tp=4", 1.6)])
 def test_bf16_load_peak_host_memory_is_near_the_weights(bf16_folder, mesh, bound):
     r = _probe(bf16_folder, mesh)
     assert r["dtypes"] == ["bfloat16"]

@@ -277,6 +277,10 @@ def _device_stack(pieces, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
     stacked = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     for i, x in enumerate(pieces):
         stacked = _set_layer(stacked, jax.device_put(x), jnp.int32(i))
+        # One piece in flight at a time: dispatch is asynchronous, and a reader faster than
+        # the device would otherwise queue many pieces' host buffers at once (the peak then
+        # depends on the machine's timing).
+        stacked.block_until_ready()
     return stacked
 
 
