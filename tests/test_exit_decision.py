@@ -202,6 +202,32 @@ def test_learn_then_test_picks_the_threshold_the_guarantee_says(bad, n_good, bad
         assert stats.binom.cdf(table.errors[i], n, eps) <= delta
 
 
+@settings(max_examples=30, deadline=None)
+@given(bads=st.lists(st.floats(0.05, 0.9), min_size=1, max_size=3),
+       n_good=st.integers(100, 2000))
+def test_group_rule_is_the_highest_groups_certified_threshold(bads, n_good):
+    """Group g: n_good right tokens above confidence bad_g and as many wrong ones at bad_g.
+    At target 0.9 (delta 0.1) a threshold above bad_g has no error and is certified (0.9^n
+    <= 0.1), one at or below it has 50% errors and is not; so group g certifies the lowest
+    grid point above bad_g, and the rule ships the one above the highest bad_g: the group
+    that needs the most caution decides, whatever the groups' sizes."""
+    rng = np.random.default_rng(0)
+    grid = tuple(np.round(np.arange(0.99, 0.0, -0.01), 2))
+    tables = {}
+    for g, bad in enumerate(bads):
+        n = n_good * (g + 1)  # sizes differ: pooling would let the largest group dominate
+        conf = np.concatenate([np.full(n, bad), rng.uniform(bad + 1e-3, 1.0, n)])
+        agree = np.concatenate([np.zeros(n, bool), np.ones(n, bool)])
+        tables[f"g{g}"] = calibrate.calibration_table(conf[None], agree[None], (1,), 4,
+                                                      grid=grid)
+    got = calibrate.pick_threshold_groups(tables, 0.9, 0.1)
+    assert got == min(t for t in grid if t > max(bads))
+    cal = {"delta": 0.1, "groups": {k: t.to_json() for k, t in tables.items()}}
+    assert calibrate.threshold_from_json(cal, 0.9) == got
+    with pytest.raises(ValueError, match="no calibration groups"):
+        calibrate.pick_threshold_groups({}, 0.9)
+
+
 def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
     smol = tiny_config(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                        head_dim=64, ffn_dim=1536, tie_embeddings=True)
@@ -237,3 +263,110 @@ def test_restricted_dataclass_state_is_a_pytree():
     leaves = jax.tree.leaves(st0)
     assert len(leaves) == len(dataclasses.fields(st0))
     assert st0.cand.shape == (2, ec.candidates)
+
+
+def _reference_calibration(params, ec, heads, rows, scored):
+    """Per exit and scored position of rows [N, T]: (confidence [E, n], agree [E, n]) written
+    plainly: the dense reference's hidden states (rounded to bf16, the precision the
+    calibration cache keeps), `check_confidence` chained over the exits from the embedding,
+    each exit's (subset) top-1 against full depth's top-1."""
+    logits, hidden = llama.forward(params, jnp.asarray(rows), CFG, return_hidden=True)
+    full_top = np.asarray(logits.argmax(-1))
+    state = exits.init_check_state(llama.embed(params, jnp.asarray(rows), CFG), ec)
+    conf, agree = [], []
+    for s, e in enumerate(ec.exit_layers):
+        h = hidden[e - 1].astype(jnp.bfloat16).astype(jnp.float32)
+        c, _, state = exits.check_confidence(params, heads, s, h, state, CFG, ec)
+        top = np.asarray(exits.exit_logits(params, heads, s, h, CFG).argmax(-1))
+        conf.append(np.asarray(c)[scored])
+        agree.append((top == full_top)[scored])
+    return np.stack(conf), np.stack(agree)
+
+
+def _reference_threshold(conf, agree, grid, target, delta):
+    """Fixed-sequence Learn-then-Test from the safest threshold down, errors counted by hand:
+    (the lowest threshold before the first one the binomial test cannot certify, errors per
+    threshold)."""
+    n, eps, chosen, errors, walking = conf.shape[1], 1 - target, exits.NEVER, [], True
+    for t in sorted(grid, reverse=True):
+        wrong = 0
+        for j in range(n):
+            for s in range(conf.shape[0]):
+                if conf[s, j] >= t:
+                    wrong += int(not agree[s, j])
+                    break
+        errors.append(wrong)
+        walking = walking and stats.binom.cdf(wrong, n, eps) <= delta
+        if walking:
+            chosen = t
+    return chosen, errors
+
+
+def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_path):
+    """`calibrate_heads` (bf16 state cache, chained candidate features, decision MLPs,
+    per-group tables, the groups' highest threshold) on saved heads, against the plain
+    reference above: same errors per threshold in every group, same shipped threshold, the
+    heads themselves untouched, the run record kept."""
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.training.tune import TuneConfig, TuneConfigError, calibrate_heads
+
+    params = jax.tree.map(jnp.asarray, PARAMS)
+    layers = dict(params["layers"])  # layers 3 and 4 add nothing: exits 2 and 3 agree with
+    for k in ("wo", "w_down"):  # full depth wherever its top-1 is in the subset
+        layers[k] = layers[k].at[2:].set(0.0)
+    params = dict(params, layers=layers)
+    sub = np.random.default_rng(0).permutation(CFG.vocab_size)[:64].astype(np.int32)
+    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
+                          measure="candidates", vocab_subset=len(sub), candidates=4)
+    heads = exits.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
+    heads = exits.attach_vocab_subset(heads, exits.VocabSubset(sub, "tiny", CFG.vocab_size),
+                                      CFG, "tiny")
+    heads["decision"]["w2"] = 2.0 * jax.random.normal(jax.random.PRNGKey(1),
+                                                      heads["decision"]["w2"].shape)
+    save_exit_heads(tmp_path / "h", CFG, ec, heads)
+    (tmp_path / "h" / "tune_config.json").write_text('{"run": "kept"}\n')
+    rng = np.random.default_rng(2)
+    calib = {}
+    for g, n in (("easy", 6), ("hard", 4)):
+        rows = rng.integers(3, CFG.vocab_size, (n, 24)).astype(np.int32)
+        scored = np.ones(rows.shape, bool)
+        scored[:, :5] = False  # prompt positions never count
+        if g == "easy":  # only positions whose full-depth token an exit can produce
+            full_top = np.asarray(llama.forward(params, jnp.asarray(rows), CFG).argmax(-1))
+            scored &= np.isin(full_top, sub)
+        calib[g] = (rows, scored)
+    target, delta = 0.75, 0.2
+    tc = TuneConfig(exit_layers=ec.exit_layers, measure="candidates", method="cached",
+                    adapter_rank=8, vocab_subset=len(sub), candidates=4,
+                    target_agreement=target, calib_delta=delta)
+    model = LoadedModel(CFG, params, None, "tiny")
+    cal = calibrate_heads(tc, model, tmp_path / "h", progress=False, calib=calib)
+
+    want = {}
+    for g, (rows, scored) in calib.items():
+        conf, agree = _reference_calibration(params, ec, heads, rows, scored)
+        got = cal["groups"][g]
+        assert got["n"] == scored.sum()
+        want[g], errors = _reference_threshold(conf, agree, got["thresholds"], target, delta)
+        assert list(got["errors"]) == errors
+        assert got["threshold"] == want[g]
+    assert cal["threshold"] == max(want.values())
+    assert len(set(want.values())) == 2 and exits.NEVER not in want.values()  # not trivial
+    ec2, back = load_exit_heads(tmp_path / "h", CFG)
+    assert ec2.threshold == cal["threshold"] and ec2.target_agreement == target
+    for a, b in zip(jax.tree.leaves(heads), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (tmp_path / "h" / "tune_config.json").read_text() == '{"run": "kept"}\n'
+    # the shipped table re-picks per target with the same rule
+    ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.6)
+    assert ec3.threshold == calibrate.pick_threshold_groups(
+        {g: calibrate.CalibrationTable.from_json(v) for g, v in cal["groups"].items()}, 0.6,
+        delta)
+    # bad input: nothing to calibrate on, or heads without decision MLPs
+    with pytest.raises(TuneConfigError, match="no calibration answers"):
+        calibrate_heads(tc, model, tmp_path / "h", progress=False,
+                        calib={"easy": (rows, np.zeros(rows.shape, bool))})
+    plain = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=8)
+    save_exit_heads(tmp_path / "p", CFG, plain, exits.init_heads(CFG, plain, params))
+    with pytest.raises(TuneConfigError, match="measure"):
+        calibrate_heads(tc, model, tmp_path / "p", progress=False, calib=calib)

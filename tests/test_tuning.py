@@ -116,6 +116,14 @@ def test_data_splits_are_disjoint_and_deterministic():
         assert fn("eval", 5, seed=1) == fn("eval", 5, seed=1)
     with pytest.raises(ValueError, match="split"):
         data.instructions("test")
+    # everyday chat: train and calib halves, and nothing the evaluation's everyday chat holds
+    from ee_jax.evaluation.prompts import GENERAL_CHAT
+
+    train, calib = data.everyday_requests("train"), data.everyday_requests("calib")
+    assert len(calib) >= 48 and train and not set(train) & set(calib)
+    assert not set(train + calib) & set(GENERAL_CHAT)
+    with pytest.raises(ValueError, match="GENERAL_CHAT"):
+        data.everyday_requests("eval")
 
 
 def test_pack_cuts_the_stream_into_rows_with_separators():

@@ -84,8 +84,7 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
                 f"exit heads in {path} have no {CALIBRATION}: they cannot pick a threshold "
                 f"for target agreement {target_agreement}; set a threshold instead")
         cal = json.loads((path / CALIBRATION).read_text())
-        table = calibrate.CalibrationTable.from_json(cal)
-        thr = calibrate.pick_threshold(table, target_agreement, cal.get("delta", 0.1))
+        thr = calibrate.threshold_from_json(cal, target_agreement)
         ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
     target = exits.head_shapes(cfg, ec)
     with ocp.StandardCheckpointer() as ckptr:

@@ -18,6 +18,7 @@ held-out workloads to check it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 from scipy import stats
@@ -110,6 +111,28 @@ def pick_threshold(table: CalibrationTable, target_agreement: float,
     return chosen
 
 
+def pick_threshold_groups(tables: Mapping[str, CalibrationTable], target_agreement: float,
+                          delta: float = DEFAULT_DELTA) -> float:
+    """The highest of the groups' certified thresholds: each group (a kind of request:
+    instructions, code, everyday chat) then keeps risk <= 1 - target with probability
+    >= 1 - delta on its own, so a workload like any one group is covered, not only the
+    pooled mix (pooling let a large easy group hide a small hard one)."""
+    if not tables:
+        raise ValueError("no calibration groups to pick a threshold from")
+    return max(pick_threshold(t, target_agreement, delta) for t in tables.values())
+
+
+def threshold_from_json(cal: dict, target_agreement: float) -> float:
+    """The threshold a shipped calibration.json certifies for a target: per group when it
+    has groups (`pick_threshold_groups`), else on its one pooled table."""
+    delta = cal.get("delta", DEFAULT_DELTA)
+    if cal.get("groups"):
+        return pick_threshold_groups({k: CalibrationTable.from_json(v)
+                                      for k, v in cal["groups"].items()},
+                                     target_agreement, delta)
+    return pick_threshold(CalibrationTable.from_json(cal), target_agreement, delta)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ee_jax.training.calibrate --config PRESET [--heads DIR]`: re-pick the
     threshold of saved heads on the preset's calibration answers (the heads stay as they are)."""
@@ -127,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     tc = TuneConfig.from_yaml(a.config, target_agreement=a.target_agreement)
     model = load_model(tc.model, dtype="float32", progress=False)
     cal = calibrate_heads(tc, model, a.heads or tc.output)
-    print(json.dumps({k: cal[k] for k in ("threshold", "target_agreement", "delta", "n")}))
+    print(json.dumps({"threshold": cal["threshold"], "target_agreement": cal["target_agreement"],
+                      "delta": cal["delta"], "n": cal["n"],
+                      "groups": {k: {"n": g["n"], "threshold": g["threshold"]}
+                                 for k, g in cal.get("groups", {}).items()}}))
     return 0
 
 

@@ -200,6 +200,113 @@ def code_prompts(split: Split, limit: int | None = None, seed: int = 0) -> list[
     return _select(split, list(_function_headers()), limit, seed)
 
 
+# Everyday requests (no code, no standard library) for calibrating thresholds on the kind of
+# chat a new user sends first (issue #12: the stdlib-only calibration did not transfer to
+# everyday chat). Each topic list has its own phrasing. Written apart from the evaluation's
+# everyday chat (`ee_jax.evaluation.prompts.GENERAL_CHAT`, other topics; a test checks that
+# the two share no request). Split by a hash of the request into "calib" (half) and "train"
+# (half); none is "eval": evaluation uses GENERAL_CHAT.
+_EVERYDAY = (
+    ("Give me a few practical tips for {}.", (
+        "running my first five-kilometre race", "staying focused while working from home",
+        "taking better photos with a phone", "making friends after moving to a new city",
+        "keeping a small apartment tidy", "learning to play the guitar as an adult",
+        "driving safely on icy roads", "getting up earlier in the morning",
+        "eating more vegetables", "hosting a dinner party on a budget",
+        "reading more books each year", "staying warm while camping in winter",
+        "keeping a long car journey with children calm", "drinking more water during the day")),
+    ("Explain in simple terms {}.", (
+        "how a refrigerator keeps food cold", "what a black hole is", "how ocean tides work",
+        "why we have seasons", "how a credit score works", "what DNA does in a cell",
+        "how an airplane stays in the air", "why the moon has phases", "how a compass works",
+        "why bread dough rises", "how solar panels make electricity",
+        "what causes thunder and lightning", "how a microwave oven heats food",
+        "why some metals rust")),
+    ("Write a short {}.", (
+        "poem about a lighthouse keeper", "story about a lost umbrella finding its owner",
+        "limerick about a forgetful wizard", "toast for my best friend's birthday",
+        "poem about the first snow of winter", "bedtime story about a brave little owl",
+        "poem about a train crossing the mountains at night",
+        "story about a dog waiting at the door", "poem about an old wooden bridge",
+        "fable about a tortoise who wanted to fly", "speech to welcome new club members",
+        "poem about a busy market in the morning", "story about two robots who become friends",
+        "riddle whose answer is a shadow")),
+    ("What is the difference between {}?", (
+        "a crocodile and an alligator", "baking soda and baking powder",
+        "a comet and an asteroid", "a lake and a pond", "a frog and a toad",
+        "jam and jelly", "a hurricane and a tornado", "a rabbit and a hare",
+        "a violin and a viola", "a moth and a butterfly", "a college and a university",
+        "a cold and the flu", "a turtle and a tortoise", "a mountain and a hill")),
+    ("How do I {}?", (
+        "remove a coffee stain from a white shirt", "boil an egg so the yolk stays soft",
+        "prepare for a job interview", "train a puppy to sit", "clean a cast-iron pan",
+        "start keeping a journal", "fold a fitted sheet", "brew a good cup of tea",
+        "sharpen a kitchen knife", "plan a surprise party", "unclog a bathroom sink",
+        "make a paper airplane that flies far", "knit a simple scarf",
+        "choose a good watermelon at the shop")),
+    ("Recommend {} and say why.", (
+        "a board game for a family evening", "a houseplant for a room with little light",
+        "three films for a rainy Sunday", "a hobby that costs very little money",
+        "a healthy breakfast I can make in five minutes",
+        "a gift for a friend who loves gardening", "a dog breed for a small flat",
+        "a few podcasts about history", "a musical instrument for a child to start with",
+        "a way to spend a free afternoon in a small town",
+        "a card game for two people", "some snacks for a long hike")),
+    ("Tell me about {}.", (
+        "the building of the Great Wall of China", "the life of Marie Curie",
+        "how the Olympic Games began", "the pyramids of ancient Egypt",
+        "the invention of the printing press", "the first landing on the moon",
+        "the history of chocolate", "the Vikings and their ships", "how coffee spread around "
+        "the world", "the migration of monarch butterflies", "the Northern Lights",
+        "the history of the bicycle", "the Amazon rainforest", "the invention of the telephone")),
+    ("Write {}.", (
+        "a message asking my neighbour to water my plants while I am away",
+        "an apology to a friend for missing their birthday party",
+        "a short thank-you note to a teacher at the end of the year",
+        "a note thanking a coworker for helping me with a hard week",
+        "an invitation to a garden party next Saturday",
+        "a short review of a restaurant where the food was great but the service was slow",
+        "a reminder to my team about Friday's meeting",
+        "a polite complaint to a shop about a broken kettle",
+        "a message congratulating my cousin on a new baby",
+        "a short announcement for a lost cat poster",
+        "a friendly reply declining a wedding invitation",
+        "a welcome message for a new neighbour")),
+    ("Why {}?", (
+        "do cats purr", "do onions make people cry", "is the ocean salty",
+        "do we yawn", "do birds fly south for the winter", "does ice float on water",
+        "do stars twinkle", "do we get goosebumps", "is sleep important for memory",
+        "do bees make honey", "does the wind blow", "do people get hiccups")),
+    ("Plan {}.", (
+        "a relaxing weekend at home", "a picnic for six friends in the park",
+        "a week of simple dinners for a family of four",
+        "a birthday party for a seven-year-old", "a day trip to the seaside by train",
+        "a study schedule for learning basic Spanish in three months",
+        "a morning routine that leaves time for exercise",
+        "a budget for a two-week holiday", "a small vegetable garden on a balcony",
+        "a first visit to Rome for two days", "a games night for teenagers",
+        "a spring cleaning of a small house")),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _everyday() -> tuple[str, ...]:
+    return tuple(template.format(topic) for template, topics in _EVERYDAY for topic in topics)
+
+
+def everyday_requests(split: Split, limit: int | None = None, seed: int = 0) -> list[str]:
+    """Everyday chat requests (see _EVERYDAY): "calib" or "train" half by hash, shuffled by
+    seed; "eval" has none (evaluation reads `prompts.GENERAL_CHAT`)."""
+    _check_split(split)
+    if split == "eval":
+        raise ValueError("everyday requests have no eval split: evaluation uses "
+                         "ee_jax.evaluation.prompts.GENERAL_CHAT")
+    items = [t for t in _everyday() if ("calib" if zlib.crc32(t.encode()) % 2 else "train")
+             == split]
+    order = np.random.default_rng(seed).permutation(len(items))
+    return [items[i] for i in order[:limit]]
+
+
 def pack(docs: Iterable[Sequence[int]], seq_len: int, sep: int | None,
          max_sequences: int | None = None) -> np.ndarray:
     """Concatenate token lists (each followed by `sep` when given) and cut the stream into

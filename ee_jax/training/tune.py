@@ -79,6 +79,7 @@ class TuneConfig:
     teacher_topk: int = 16
     calib_instructions: int = 0  # held-apart ("calib" split) instructions the model answers
     calib_code_prompts: int = 0
+    calib_everyday: int = 0  # held-apart everyday chat requests (`data.everyday_requests`)
     target_agreement: float = 0.95
     calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
@@ -140,7 +141,10 @@ class TuneConfig:
         keys = ("model", "seq_len", "chat_instructions", "code_prompts", "gen_max_tokens",
                 "stdlib_tokens", "eval_sequences", "seed", "calib_instructions",
                 "calib_code_prompts")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        d = {k: getattr(self, k) for k in keys}
+        if self.calib_everyday:  # (absent when 0: older presets keep their cached data)
+            d["calib_everyday"] = self.calib_everyday
+        blob = json.dumps(d, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -218,54 +222,75 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
     rng = np.random.default_rng(tc.seed)
     train = train[rng.permutation(len(train))]
     held = data.pack(stdlib_ids("eval"), tc.seq_len, sep, tc.eval_sequences)
-    calib, scored = calibration_rows(tc, model, progress)
+    groups = calibration_rows(tc, model, progress)
     work.mkdir(parents=True, exist_ok=True)
-    np.savez(cached, train=train, eval=held, calib=calib, calib_scored=scored)
+    np.savez(cached, train=train, eval=held,
+             **{f"calib_{g}": r for g, (r, _) in groups.items()},
+             **{f"calib_scored_{g}": m for g, (_, m) in groups.items()})
     _log(f"data: {len(own)} self-generated + {0 if std is None else len(std)} stdlib rows of "
-         f"{tc.seq_len} tokens; {len(held)} held-out rows; {len(calib)} calibration rows "
-         f"-> {cached}")
+         f"{tc.seq_len} tokens; {len(held)} held-out rows; calibration rows "
+         f"{ {g: len(r) for g, (r, _) in groups.items()} } -> {cached}")
     return train, held
 
 
-def calibration_rows(tc: TuneConfig, model, progress: bool = True
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """(rows [N, T], scored [N, T] bool): the model's own answers to the "calib" split, packed;
-    `scored` marks the positions that predict an answer token (what serving emits), not the
-    prompt's."""
+CalibSet = dict[str, tuple[np.ndarray, np.ndarray]]  # group -> (rows [N, T], scored [N, T])
+
+
+def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
+    """The model's own answers to the "calib" split, packed per group ("instructions",
+    "code", "everyday"): {group: (rows [N, T], scored [N, T] bool)}; `scored` marks the
+    positions that predict an answer token (what serving emits), not the prompt's."""
     from ee_jax.training.selfgen import self_generate
 
-    empty = np.zeros((0, tc.seq_len), np.int32)
-    if not (tc.calib_instructions or tc.calib_code_prompts):
-        return empty, empty.astype(bool)
+    wanted = {"instructions": [("chat", s) for s in data.instructions(
+                  "calib", tc.calib_instructions, tc.seed)] if tc.calib_instructions else [],
+              "code": [("code", s) for s in data.code_prompts(
+                  "calib", tc.calib_code_prompts, tc.seed)] if tc.calib_code_prompts else [],
+              "everyday": [("chat", s) for s in data.everyday_requests(
+                  "calib", tc.calib_everyday, tc.seed)] if tc.calib_everyday else []}
+    wanted = {g: items for g, items in wanted.items() if items}
+    if not wanted:
+        return {}
     tok = model.tokenizer
     sep = (model.config.eos_token_ids or (None,))[0]
-    items = ([("chat", s) for s in data.instructions("calib", tc.calib_instructions, tc.seed)]
-             + [("code", s) for s in data.code_prompts("calib", tc.calib_code_prompts,
-                                                       tc.seed)])
-    gen = self_generate(model, items, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
-                        cache=Path(tc.work_dir) / "selfgen.jsonl", progress=progress)
-    masks = []
-    for (kind, text), ids in zip(items, gen, strict=True):
-        prompt = (tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                     add_generation_prompt=True))
-                  if kind == "chat" else tok.encode(text))
-        start = len(prompt) - 1 if list(ids[:len(prompt)]) == list(prompt) else 0
-        masks.append([int(start <= j < len(ids) - 1) for j in range(len(ids))])
-    rows = data.pack(gen, tc.seq_len, sep)
-    scored = data.pack(masks, tc.seq_len, None if sep is None else 0).astype(bool)
-    return rows, scored
+    everything = [it for items in wanted.values() for it in items]
+    gen = dict(zip(everything, self_generate(
+        model, everything, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
+        cache=Path(tc.work_dir) / "selfgen.jsonl", progress=progress), strict=True))
+    out: CalibSet = {}
+    for group, items in wanted.items():
+        seqs, masks = [], []
+        for kind, text in items:
+            ids = gen[(kind, text)]
+            prompt = (tok.encode(tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True))
+                if kind == "chat" else tok.encode(text))
+            start = len(prompt) - 1 if list(ids[:len(prompt)]) == list(prompt) else 0
+            seqs.append(ids)
+            masks.append([int(start <= j < len(ids) - 1) for j in range(len(ids))])
+        out[group] = (data.pack(seqs, tc.seq_len, sep),
+                      data.pack(masks, tc.seq_len, None if sep is None else 0).astype(bool))
+    return out
 
 
-def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True
-                    ) -> dict:
+def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True,
+                    calib: CalibSet | None = None) -> dict:
     """Refit only the threshold of saved heads (measure "candidates") on the calibration
-    answers, and rewrite their exit_config.json and calibration.json."""
+    answers (`calib`, else the preset's `calibration_rows`), and rewrite their
+    exit_config.json and calibration.json; the heads themselves stay as they are."""
     from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 
     cfg, params = model.config, model.params
     ec, heads = load_exit_heads(heads_dir, cfg)
-    calib, scored = calibration_rows(tc, model, progress)
-    cal = _calibration(cfg, params, ec, heads, calib, scored, tc, progress)
+    if ec.measure != "candidates":
+        raise TuneConfigError(f"exit heads in {heads_dir} use measure {ec.measure!r}: only "
+                              f"decision MLPs (measure 'candidates') are calibrated here")
+    if calib is None:
+        calib = calibration_rows(tc, model, progress)
+    if not any(bool(m.any()) for _, m in calib.values()):
+        raise TuneConfigError("no calibration answers: set calib_instructions, "
+                              "calib_code_prompts or calib_everyday in the preset")
+    cal = _calibration(cfg, params, ec, heads, calib, tc, progress)
     ec = dataclasses.replace(ec, threshold=cal["threshold"],
                              target_agreement=tc.target_agreement)
     record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
@@ -276,29 +301,48 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
     return cal
 
 
-def _calibration(cfg, params, ec, heads, calib, scored, tc: TuneConfig, progress: bool
+def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progress: bool
                  ) -> dict:
+    """Per group: the decision's confidence and correctness at every exit and scored
+    position, its table and certified threshold; the shipped threshold is the groups'
+    highest (`calibrate.pick_threshold_groups`). A pooled table is kept for reference."""
     from ee_jax.training import cached as C
     from ee_jax.training import calibrate
 
-    ccache = C.cache_states(cfg, params, calib, ec.exit_layers, 1, progress=progress)
-    n_all = calib.size
-    hs = ccache["hs"].transpose(0, 2, 1, 3).reshape(n_all, len(ec.exit_layers), -1)
-    cf, ca = C.decision_data(cfg, ec, params, heads, hs, calib.reshape(-1),
-                             ccache["top"][..., 0].reshape(-1), progress=progress)
-    keep = scored.reshape(-1)
-    cf, ca = cf[:, keep], ca[:, keep]
-    table = calibrate.calibration_table(C.confidences(heads, cf), ca, ec.exit_layers,
-                                        cfg.n_layers, min_exit_layer=ec.min_exit_layer)
-    thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
-    i = table.thresholds.index(thr) if thr in table.thresholds else None
-    _log(f"calibrated threshold {thr} for TF agreement >= {tc.target_agreement} with "
-         f"probability >= {1 - tc.calib_delta} on {table.n} calibration answer tokens"
-         + ("" if i is None else f": {table.errors[i]} errors, mean layers "
-            f"{table.mean_layers[i]:.2f}"))
+    confs, agrees, groups = [], [], {}
+    for group, (rows, scored) in calib.items():
+        if not scored.any():
+            continue
+        ccache = C.cache_states(cfg, params, rows, ec.exit_layers, 1, progress=progress)
+        hs = ccache["hs"].transpose(0, 2, 1, 3).reshape(rows.size, len(ec.exit_layers), -1)
+        cf, ca = C.decision_data(cfg, ec, params, heads, hs, rows.reshape(-1),
+                                 ccache["top"][..., 0].reshape(-1), progress=progress)
+        keep = scored.reshape(-1)
+        conf, agree = C.confidences(heads, cf[:, keep]), ca[:, keep]
+        table = calibrate.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
+                                            min_exit_layer=ec.min_exit_layer)
+        thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
+        groups[group] = {"threshold": thr,
+                         "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),
+                         **table.to_json()}
+        confs.append(conf)
+        agrees.append(agree)
+        i = table.thresholds.index(thr) if thr in table.thresholds else None
+        _log(f"{group}: threshold {thr} certified for TF agreement >= {tc.target_agreement} "
+             f"with probability >= {1 - tc.calib_delta} on {table.n} answer tokens"
+             + ("" if i is None else f" ({table.errors[i]} errors, mean layers "
+                f"{table.mean_layers[i]:.2f})"))
+    conf, agree = np.concatenate(confs, axis=1), np.concatenate(agrees, axis=1)
+    pooled = calibrate.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
+                                         min_exit_layer=ec.min_exit_layer)
+    thr = calibrate.pick_threshold_groups(
+        {g: calibrate.CalibrationTable.from_json(v) for g, v in groups.items()},
+        tc.target_agreement, tc.calib_delta)
+    _log(f"calibrated threshold {thr} (the highest of the groups')")
     return {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
-            "threshold": thr, "calib_agreement_per_exit": ca.mean(1).round(4).tolist(),
-            **table.to_json()}
+            "threshold": thr, "rule": "highest of the groups' Learn-then-Test thresholds",
+            "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),
+            **pooled.to_json(), "groups": groups}
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -338,7 +382,7 @@ class TuneResult:
 
 
 def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
-         held_out: np.ndarray | None = None, calib: np.ndarray | None = None,
+         held_out: np.ndarray | None = None, calib: np.ndarray | CalibSet | None = None,
          progress: bool = True, save: bool = True) -> TuneResult:
     """Run (or resume) a tuning run. `model` (a LoadedModel) and the data arrays may be
     given directly (tests); otherwise they come from `tc`."""
@@ -444,7 +488,8 @@ def evaluate_heads(cfg, ec, w, params, heads, rows: np.ndarray | None,
 
 
 def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np.ndarray | None,
-                calib: np.ndarray | None, progress: bool, save: bool, t_start: float
+                calib: np.ndarray | CalibSet | None, progress: bool, save: bool,
+                t_start: float
                 ) -> TuneResult:
     """Method "cached" (issue #12; `ee_jax.training.cached`): backbone once, heads on the
     cache with restricted-vocabulary KL, then vocabulary subset, decision MLPs and the
@@ -458,10 +503,15 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     if train is None:
         train, held_out = build_data(tc, model, progress)
         z = np.load(Path(tc.work_dir) / f"data-{tc.data_key()}.npz")
-        calib, scored = ((z["calib"], z["calib_scored"]) if "calib_scored" in z
-                         else calibration_rows(tc, model, progress))
-    elif calib is not None:
-        scored = np.ones(calib.shape, bool)
+        names = [k.removeprefix("calib_scored_") for k in z.files
+                 if k.startswith("calib_scored_")]
+        calib = ({g: (z[f"calib_{g}"], z[f"calib_scored_{g}"]) for g in names} if names
+                 else {"calib": (z["calib"], z["calib_scored"])} if "calib_scored" in z
+                 else calibration_rows(tc, model, progress))
+    elif isinstance(calib, np.ndarray):  # rows given directly (tests): every position counts
+        calib = {"calib": (calib, np.ones(calib.shape, bool))}
+    calib_rows = (np.concatenate([r for r, _ in calib.values()]) if calib
+                  else np.zeros((0, tc.seq_len), np.int32))
     if len(train) < tc.batch_size:
         raise TuneConfigError(f"only {len(train)} training rows for batch_size "
                               f"{tc.batch_size}: add data or lower batch_size")
@@ -480,8 +530,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
             heads, exits.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
         if held_out is not None and len(held_out):
             marks["subset_coverage_held_out"] = C.coverage(ids, held_out)
-        if calib is not None and len(calib):
-            marks["subset_coverage_calib"] = C.coverage(ids, calib)
+        if len(calib_rows):
+            marks["subset_coverage_calib"] = C.coverage(ids, calib_rows)
         _log(f"vocabulary subset of {len(ids)} ids: coverage {marks}")
     steps = (len(train) // tc.batch_size) * tc.epochs
     opt = make_optimizer(tc, steps)
@@ -510,8 +560,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         marks["decision_s"] = time.perf_counter() - t0
         _log("decision MLPs: BCE per exit " + " ".join(f"{b:.3f}" for b in bce)
              + "; agreement per exit " + " ".join(f"{a:.3f}" for a in agree.mean(1)))
-        if calib is not None and len(calib):
-            calibration = _calibration(cfg, params, ec, heads, calib, scored, tc, progress)
+        if len(calib_rows):
+            calibration = _calibration(cfg, params, ec, heads, calib, tc, progress)
             ec = dataclasses.replace(ec, threshold=calibration["threshold"])
     out = None
     if save:
