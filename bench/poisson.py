@@ -6,8 +6,12 @@
 For each offered rate (requests/s), one arrival schedule (exponential gaps, seeded, cut at
 --requests requests or --duration seconds, whichever comes first) is served by every mode:
 
-* `full depth`: the engine built with `early_exit=False`, continuous batching (the
-  prefill-first scheduler the engine has), requests added between steps as they arrive;
+* `full depth`: the engine built with `early_exit=False` and `mixed_steps=True`: continuous
+  batching where running requests' decode rows ride along in prefill steps, requests added
+  between steps as they arrive;
+* `prefill-first` (mode `full-pf`): the same engine with `mixed_steps=False`, the scheduler
+  the engine had before issue 13: a prefill step holds prompt chunks only, so every running
+  request waits while a new prompt is prefilled (issue 13's bar compares its p99 TTFT);
 * `early exit`: the same engine with the model's shipped exit heads (`--random`: untrained
   heads at layers 1-3, threshold --threshold, default 0: every row leaves at layer 1);
 * `static`: transformers-style static batching: when idle, take the requests that have
@@ -197,6 +201,11 @@ def render(ctx: dict) -> str:
         out += ["", f"Static batching saturates at {sat:g} req/s (completes under 90% of the "
                 f"offered requests/s, or p99 TTFT over 4x its lowest-rate p99). p99 TTFT "
                 f"there: {parts}."]
+        if "full depth" in at and "prefill-first" in at:
+            ratio = at["full depth"]["ttft99"] / at["prefill-first"]["ttft99"]
+            out += ["", f"Issue 13's bar (p99 TTFT at most half the prefill-first "
+                    f"scheduler's there): full depth / prefill-first = {ratio:.2f} "
+                    f"({'met' if ratio <= 0.5 else 'missed'})."]
     return "\n".join(out) + "\n"
 
 
@@ -221,7 +230,7 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="max_num_seqs; static batch size")
     p.add_argument("--modes", nargs="+", default=["full", "early", "static"],
-                   choices=("full", "early", "static"))
+                   choices=("full", "full-pf", "early", "static"))
     p.add_argument("--static", choices=("hf", "engine"), default="hf")
     p.add_argument("--warmup", choices=("buckets", "precompile"), default="buckets")
     p.add_argument("--threshold", type=float, default=None,
@@ -278,10 +287,14 @@ def main(argv=None) -> int:
 
     engines: dict[str, object] = {}
     compile_s = {}
+    # Full-depth baselines, every scheduling knob that differs written out.
     if "full" in args.modes or ("static" in args.modes and args.static == "engine"):
-        engines["full depth"] = LLM(m, early_exit=False, **kw)  # the full-depth baseline
+        engines["full depth"] = LLM(m, early_exit=False, mixed_steps=True, **kw)
+    if "full-pf" in args.modes:
+        engines["prefill-first"] = LLM(m, early_exit=False, mixed_steps=False, **kw)
     if "early" in args.modes:
-        engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads, **kw)
+        engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads, mixed_steps=True,
+                                    **kw)
     for name, llm in engines.items():
         log(f"warm-up {name} ({args.warmup})")
         compile_s[name] = warm_up(llm, prompts, params, args.batch, args.warmup)
@@ -302,7 +315,8 @@ def main(argv=None) -> int:
                      else run_engine(engines["full depth"], "static (engine)", rate, ps, params,
                                      arrivals, args, static=True))
             else:
-                name = "full depth" if mode == "full" else "early exit"
+                name = {"full": "full depth", "full-pf": "prefill-first"}.get(mode,
+                                                                              "early exit")
                 log(f"  {name} ...")
                 r = run_engine(engines[name], name, rate, ps, params, arrivals, args)
             log(f"  {r['mode']}: {r['done']}/{r['n']} done, {r['tok_s']:.1f} tok/s, TTFT p50 "
