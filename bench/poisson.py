@@ -2,6 +2,8 @@
 
     python -m bench.poisson --rates 0.1 0.2 0.4 0.8 --requests 24 --new-tokens 64 --batch 8
     python -m bench.poisson --random --quick          # smoke test: tiny random Llama
+    git worktree add /tmp/ee-2fc5161 2fc5161             # an older engine, same benchmark:
+    python -m bench.poisson --modes full --tree /tmp/ee-2fc5161 ...
 
 For each offered rate (requests/s), one arrival schedule (exponential gaps, seeded, cut at
 --requests requests or --duration seconds, whichever comes first) is served by every mode:
@@ -29,6 +31,10 @@ persistent compilation cache); compile time is reported apart and the table show
 during a run.
 A run stops at --time-limit seconds: unfinished requests are aborted and counted as such.
 
+`--tree DIR` imports `ee_jax` from another checkout (e.g. the commit before an engine change)
+and runs the same arrivals through its engine: before/after figures from one benchmark. What
+that engine lacks is emulated here (stats snapshots) or not asked of it (`mixed_steps`).
+
 Per run: completed requests, output tokens/s and requests/s over the run, time to first token
 (from the request's arrival) and inter-token latency, p50 and p99; for early exit the
 rows' exit-layer histogram and the ideal speed-up with the LM head counted. Static batching
@@ -40,6 +46,7 @@ the engine's p99 TTFT there.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import itertools
 import sys
@@ -239,6 +246,8 @@ def parse_args(argv):
     p.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.poisson section is (re)written")
+    p.add_argument("--tree", type=Path, default=None,
+                   help="import ee_jax from this checkout instead (an older engine)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: rates 2 8, 6 requests, 8 tokens, batch 2, 60 s limit")
     args = p.parse_args(argv)
@@ -250,9 +259,48 @@ def parse_args(argv):
     return args
 
 
+def _import_from(tree: Path) -> None:
+    """Make `import ee_jax` load the checkout at `tree`, and give its engine stats the
+    snapshot / since that `bench.common.serve` uses if it predates them."""
+    if not (tree / "ee_jax" / "__init__.py").is_file():
+        raise SystemExit(f"--tree {tree}: no ee_jax package there")
+    if "ee_jax" in sys.modules:
+        raise SystemExit("--tree: ee_jax was imported before the tree was set")
+    sys.path.insert(0, str(tree.resolve()))
+    from ee_jax.serving import engine
+
+    stats = engine.EngineStats
+    if not hasattr(stats, "snapshot"):
+        def snapshot(self):
+            return copy.deepcopy(self)
+
+        def since(self, before):
+            out = copy.deepcopy(self)
+            for f in dataclasses.fields(stats):
+                a, b = getattr(self, f.name), getattr(before, f.name)
+                if isinstance(a, dict):
+                    setattr(out, f.name, {k: v - b.get(k, 0) for k, v in a.items()})
+                elif f.name != "max_pages_used":
+                    setattr(out, f.name, a - b)
+            return out
+
+        stats.snapshot, stats.since = snapshot, since
+    log(f"ee_jax from {tree} ({engine.__file__})")
+
+
+def _engine_kwargs(**kw) -> dict:
+    """Drop knobs the engine under test does not have (an older `--tree`)."""
+    from ee_jax.serving.engine import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in kw.items() if k in fields or k not in ("mixed_steps",)}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.tree is not None:
+        _import_from(args.tree)
 
     from ee_jax.models import exits
     from ee_jax.serving.llm import LLM
@@ -289,12 +337,14 @@ def main(argv=None) -> int:
     compile_s = {}
     # Full-depth baselines, every scheduling knob that differs written out.
     if "full" in args.modes or ("static" in args.modes and args.static == "engine"):
-        engines["full depth"] = LLM(m, early_exit=False, mixed_steps=True, **kw)
+        engines["full depth"] = LLM(m, early_exit=False, **_engine_kwargs(mixed_steps=True,
+                                                                           **kw))
     if "full-pf" in args.modes:
-        engines["prefill-first"] = LLM(m, early_exit=False, mixed_steps=False, **kw)
+        engines["prefill-first"] = LLM(m, early_exit=False,
+                                       **_engine_kwargs(mixed_steps=False, **kw))
     if "early" in args.modes:
-        engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads, mixed_steps=True,
-                                    **kw)
+        engines["early exit"] = LLM(m, exit_config=ec, exit_heads=heads,
+                                    **_engine_kwargs(mixed_steps=True, **kw))
     for name, llm in engines.items():
         log(f"warm-up {name} ({args.warmup})")
         compile_s[name] = warm_up(llm, prompts, params, args.batch, args.warmup)
@@ -327,7 +377,8 @@ def main(argv=None) -> int:
     static_rows = [r for r in rows if r["mode"].startswith("static")]
     ctx = dict(command="python -m bench.poisson " + " ".join(argv), machine=machine(),
                date=time.strftime("%Y-%m-%d %H:%M"), weights=weights,
-               engine=f"max_num_seqs={args.batch}, max_model_len={max_len}, defaults otherwise",
+               engine=(f"max_num_seqs={args.batch}, max_model_len={max_len}, defaults otherwise"
+                       + (f"; ee_jax from --tree {args.tree}" if args.tree else "")),
                workload=(f"{args.prompts} prompts ({min(lens)}-{max(lens)} tokens), greedy, "
                          f"{args.new_tokens} new tokens each (EOS ignored), at most "
                          f"{args.requests} requests or {args.duration:g} s of arrivals per "
