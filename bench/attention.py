@@ -2,6 +2,7 @@
 
     python -m bench.attention                               # CPU: reference vs xla
     python -m bench.attention --backends reference xla pallas_gpu layout_copy --batches 8 32 128
+    python -m bench.attention --backends xla xla_unblocked --batches 16 32 --lens 128 451
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
         python -m bench.attention                           # CPU, one thread: steadier when shared
 
@@ -21,6 +22,7 @@ with what the rows hold.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -64,7 +66,10 @@ def layout_copy(q, cache, layer, meta, **_):
     return q + 1e-9 * (jnp.sum(k) + jnp.sum(v))
 
 
-CHOICES = {**BACKENDS, "layout_copy": layout_copy}
+CHOICES = {**BACKENDS, "layout_copy": layout_copy,
+           # xla as one loop over every row up to the longest (before rows were sorted into
+           # blocks of `attention_kernels._ROW_BLOCK`): the blocks' gain, side by side
+           "xla_unblocked": functools.partial(BACKENDS["xla"], row_block=1 << 30)}
 
 
 def step_fn(backend, layers: int):
