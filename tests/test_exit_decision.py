@@ -228,6 +228,31 @@ def test_group_rule_is_the_highest_groups_certified_threshold(bads, n_good):
         calibrate.pick_threshold_groups({}, 0.9)
 
 
+def test_correlated_errors_are_not_certified_by_the_cluster_test():
+    """1,000 tokens in 10 clusters of 100, 30 errors (3%) at every threshold, target 0.95:
+    the binomial test certifies (P(Binom(1000, 0.05) <= 30) ~ 0.002). Spread 3 per cluster,
+    the cluster-robust variance is 0 and the low threshold is certified; all 30 in one
+    cluster, the ratio's variance is 10/9 * (27^2 + 9 * 3^2) / 1000^2 = 9e-4, z = (0.03 -
+    0.05) / 0.03, p = Phi(-2/3) ~ 0.25 > 0.1: only the threshold nobody reaches is."""
+    clusters = np.repeat(np.arange(10), 100)
+    conf = np.full((1, 1000), 0.9)
+    grid = (0.99, 0.5)  # 0.99: nobody leaves, no error; 0.5: everyone (at 0.9) leaves
+    assert stats.binom.cdf(30, 1000, 0.05) < 0.01
+    for wrong_at, want in ((np.arange(0, 1000, 100)[:, None] + np.arange(3), 0.5),
+                           (np.arange(30), 0.99)):
+        agree = np.ones((1, 1000), bool)
+        agree[0, wrong_at.reshape(-1)] = False
+        table = calibrate.calibration_table(conf, agree, (1,), 4, grid=grid,
+                                            clusters=clusters)
+        assert table.errors == (0, 30)
+        assert calibrate.pick_threshold(table, 0.95, 0.1) == want
+        # without clusters the binomial test alone certifies the low threshold both times
+        plain = calibrate.calibration_table(conf, agree, (1,), 4, grid=grid)
+        assert calibrate.pick_threshold(plain, 0.95, 0.1) == 0.5
+    assert calibrate.p_value_clustered([30] + [0] * 9, [100] * 10, 0.05) == pytest.approx(
+        stats.norm.cdf(-2 / 3), rel=1e-9)
+
+
 def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
     smol = tiny_config(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                        head_dim=64, ffn_dim=1536, tie_embeddings=True)
@@ -274,29 +299,37 @@ def _reference_calibration(params, ec, heads, rows, scored):
     full_top = np.asarray(logits.argmax(-1))
     state = exits.init_check_state(llama.embed(params, jnp.asarray(rows), CFG), ec)
     conf, agree = [], []
+    row = np.broadcast_to(np.arange(rows.shape[0])[:, None], rows.shape)[scored]
     for s, e in enumerate(ec.exit_layers):
         h = hidden[e - 1].astype(jnp.bfloat16).astype(jnp.float32)
         c, _, state = exits.check_confidence(params, heads, s, h, state, CFG, ec)
         top = np.asarray(exits.exit_logits(params, heads, s, h, CFG).argmax(-1))
         conf.append(np.asarray(c)[scored])
         agree.append((top == full_top)[scored])
-    return np.stack(conf), np.stack(agree)
+    return np.stack(conf), np.stack(agree), row
 
 
-def _reference_threshold(conf, agree, grid, target, delta):
-    """Fixed-sequence Learn-then-Test from the safest threshold down, errors counted by hand:
-    (the lowest threshold before the first one the binomial test cannot certify, errors per
-    threshold)."""
+def _reference_threshold(conf, agree, row, grid, target, delta):
+    """Fixed-sequence Learn-then-Test from the safest threshold down, errors counted by hand
+    per token and per cluster (packed row); a threshold is certified when both the binomial
+    test and the cluster-robust z-test reject. Returns (threshold, errors per threshold)."""
     n, eps, chosen, errors, walking = conf.shape[1], 1 - target, exits.NEVER, [], True
+    sizes = np.bincount(row).astype(float)
+    k = len(sizes)
     for t in sorted(grid, reverse=True):
-        wrong = 0
+        wrong = np.zeros(k)
         for j in range(n):
             for s in range(conf.shape[0]):
                 if conf[s, j] >= t:
-                    wrong += int(not agree[s, j])
+                    wrong[row[j]] += int(not agree[s, j])
                     break
-        errors.append(wrong)
-        walking = walking and stats.binom.cdf(wrong, n, eps) <= delta
+        errors.append(int(wrong.sum()))
+        r = wrong.sum() / n
+        var = k / (k - 1) * ((wrong - r * sizes) ** 2).sum() / n**2
+        p_cluster = (stats.norm.cdf((r - eps) / np.sqrt(var)) if var > 0
+                     else float(r >= eps))
+        walking = (walking and stats.binom.cdf(errors[-1], n, eps) <= delta
+                   and p_cluster <= delta)
         if walking:
             chosen = t
     return chosen, errors
@@ -344,10 +377,11 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
 
     want = {}
     for g, (rows, scored) in calib.items():
-        conf, agree = _reference_calibration(params, ec, heads, rows, scored)
+        conf, agree, row = _reference_calibration(params, ec, heads, rows, scored)
         got = cal["groups"][g]
         assert got["n"] == scored.sum()
-        want[g], errors = _reference_threshold(conf, agree, got["thresholds"], target, delta)
+        want[g], errors = _reference_threshold(conf, agree, row, got["thresholds"], target,
+                                               delta)
         assert list(got["errors"]) == errors
         assert got["threshold"] == want[g]
     assert cal["threshold"] == max(want.values())

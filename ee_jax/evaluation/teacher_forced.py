@@ -112,9 +112,33 @@ def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
     return out
 
 
+def resimulate(res: dict, dump: Path, variants: dict, thresholds: dict, cfg) -> dict:
+    """A saved evaluation (`res`, its `--dump` folder) at other thresholds: the same heads'
+    per-exit confidences and agreements, re-read, not recomputed (a threshold changes
+    nothing upstream of `simulate_exits`). variants {name: ExitConfig}."""
+    import copy
+
+    out = copy.deepcopy(res)
+    for wname, w in out["workloads"].items():
+        z = np.load(dump / f"{wname.split()[0].lower()}.npz")
+        for vname, v in w["variants"].items():
+            if vname not in thresholds:
+                continue
+            ec = variants[vname]
+            pred = ExitPredictions(ec, cfg.n_layers, z[f"{vname}_confidence"],
+                                   z[f"{vname}_agree"])
+            sims = simulate_exits(pred, thresholds[vname], cost=exits.cost_model(cfg, ec))
+            v["simulated"] = [dataclasses.asdict(s) for s in sims]
+            for s in sims:
+                _log(f"  {wname} {vname} @ {s.threshold}: TF {s.agreement:.3f}, layers "
+                     f"{s.mean_layers:.2f}, with head {s.ideal_with_head:.3f}x")
+    return out
+
+
 def to_markdown(res: dict) -> str:
     lines = [f"# Teacher-forced exits on the model's own answers ({res['date']})", "",
-             f"Command: `{res['command']}`", "",
+             f"Command: `{res['command']}`", "", *(
+                 [res["note"], ""] if res.get("note") else []),
              "TF agreement: share of answer tokens whose exit token equals full depth's, "
              "context always the full-depth answer. Ideal with head: (L + final head) / "
              "(layers + checks + exit head), in layer-equivalents (`exits.cost_model`).", ""]
@@ -158,7 +182,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/eval/issue12")
     ap.add_argument("--dump", default="runs/eval-v2/predictions",
                     help="folder for raw per-exit predictions ('' for none)")
+    ap.add_argument("--resimulate", default=None, metavar="RESULTS_JSON",
+                    help="re-simulate a saved evaluation (its results.json; --dump: its "
+                         "predictions) at --thresholds with --heads' config, no forward pass")
     a = ap.parse_args(argv)
+    command = "python -m ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:])
+    if a.resimulate:
+        from ee_jax.models.exit_checkpoint import load_exit_heads
+        from ee_jax.models.loading import load_model
+
+        old = json.loads(Path(a.resimulate).read_text())
+        cfg = load_model(a.model, dtype="float32", progress=False).config
+        ec, _ = load_exit_heads(a.heads, cfg)
+        thr = sorted({ec.threshold, *(a.thresholds or ())})
+        res = resimulate(old, Path(a.dump), {"new": ec}, {"new": thr}, cfg)
+        res.update(date=time.strftime("%Y-%m-%d %H:%M"), command=command, heads=str(a.heads),
+                   calibrated_threshold=ec.threshold, target_agreement=ec.target_agreement,
+                   note=f"Re-simulated from the per-exit predictions of `{old['command']}` "
+                        f"({old['date']}; the same heads, so the same confidences): only the "
+                        f"thresholds are new. The baseline rows are that run's.")
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / "results.md").write_text(to_markdown(res))
+        _log(f"wrote {out / 'results.md'}")
+        return 0
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
 

@@ -9,10 +9,14 @@ testing from the most conservative t downwards rejects while p <= delta and stop
 t it cannot reject; the lowest rejected t is the threshold. Then, with probability >= 1 - delta
 over the draw of the calibration tokens, the chosen threshold's risk is <= eps.
 
-Caveat stated with every result: the guarantee assumes calibration tokens are exchangeable with
-the tokens served; tokens of one sequence are correlated, and a served token's context is the
-model's own (possibly exited) output, not the teacher's. The evaluation measures TF agreement on
-held-out workloads to check it.
+Tokens of one answer are correlated (an answer the decision finds hard is hard throughout), so
+the per-token binomial test overstates the evidence. When the calibration tokens come in
+clusters (packed rows of answers), H_t must also be rejected by a cluster-robust one-sided z-test
+of the error ratio (`p_value_clustered`); the p-value used is the larger of the two.
+
+Caveat stated with every result: the guarantee assumes calibration answers are exchangeable with
+the answers served, and a served token's context is the model's own (possibly exited) output,
+not the teacher's. The evaluation measures TF agreement on held-out workloads to check it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class CalibrationTable:
     exited: tuple[int, ...]  # tokens leaving early at all, per threshold
     mean_layers: tuple[float, ...]  # mean executed layers per token, per threshold
     n: int
+    cluster_sizes: tuple[int, ...] = ()  # tokens per cluster (empty: no clusters)
+    cluster_errors: tuple[tuple[int, ...], ...] = ()  # [threshold][cluster] errors
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,7 +52,8 @@ class CalibrationTable:
     @classmethod
     def from_json(cls, d: dict) -> CalibrationTable:
         return cls(tuple(d["thresholds"]), tuple(d["errors"]), tuple(d["exited"]),
-                   tuple(d["mean_layers"]), int(d["n"]))
+                   tuple(d["mean_layers"]), int(d["n"]), tuple(d.get("cluster_sizes", ())),
+                   tuple(tuple(e) for e in d.get("cluster_errors", ())))
 
 
 def check_target(target_agreement: float, delta: float = DEFAULT_DELTA) -> None:
@@ -69,8 +76,10 @@ def first_exit(confidence: np.ndarray, threshold: float, eligible: np.ndarray | 
 
 
 def calibration_table(confidence: np.ndarray, agree: np.ndarray, exit_layers, n_layers: int,
-                      grid=DEFAULT_GRID, min_exit_layer: int = 1) -> CalibrationTable:
-    """confidence, agree: [E, N] per exit slot and calibration token."""
+                      grid=DEFAULT_GRID, min_exit_layer: int = 1,
+                      clusters: np.ndarray | None = None) -> CalibrationTable:
+    """confidence, agree: [E, N] per exit slot and calibration token; clusters [N]: each
+    token's cluster id (e.g. its packed row), for the cluster-robust test."""
     conf, ok = np.asarray(confidence), np.asarray(agree, bool)
     if conf.shape != ok.shape or conf.ndim != 2 or conf.shape[0] != len(exit_layers):
         raise ValueError(f"confidence {conf.shape} and agree {ok.shape} must both be "
@@ -79,14 +88,22 @@ def calibration_table(confidence: np.ndarray, agree: np.ndarray, exit_layers, n_
     eligible = layers >= min_exit_layer
     n = conf.shape[1]
     grid = tuple(sorted((float(t) for t in grid), reverse=True))
-    errors, exited, mean = [], [], []
+    if clusters is not None:
+        _, cid = np.unique(np.asarray(clusters), return_inverse=True)
+        if cid.shape != (n,):
+            raise ValueError(f"clusters must give one id per token ({n}), got {cid.shape}")
+    errors, exited, mean, by_cluster = [], [], [], []
     for t in grid:
         leaves, slot = first_exit(conf, t, eligible)
         wrong = leaves & ~ok[slot, np.arange(n)]
         errors.append(int(wrong.sum()))
         exited.append(int(leaves.sum()))
         mean.append(float(np.where(leaves, layers[slot], n_layers).mean()) if n else n_layers)
-    return CalibrationTable(grid, tuple(errors), tuple(exited), tuple(mean), n)
+        if clusters is not None:
+            by_cluster.append(tuple(np.bincount(cid, weights=wrong).astype(int).tolist()))
+    sizes = () if clusters is None else tuple(np.bincount(cid).tolist())
+    return CalibrationTable(grid, tuple(errors), tuple(exited), tuple(mean), n, sizes,
+                            tuple(by_cluster))
 
 
 def p_value(errors: int, n: int, eps: float) -> float:
@@ -97,6 +114,32 @@ def p_value(errors: int, n: int, eps: float) -> float:
     return float(stats.binom.cdf(errors, n, eps))
 
 
+def p_value_clustered(cluster_errors, cluster_sizes, eps: float) -> float:
+    """One-sided z-test of H: risk > eps for the ratio r = sum(errors) / sum(sizes) over k
+    clusters, with the cluster-robust variance k / (k - 1) * sum((e_c - r n_c)^2) / N^2
+    (tokens within a cluster may be correlated; clusters are independent). With no error
+    anywhere the variance is 0 and the binomial test alone decides (returns 0)."""
+    e = np.asarray(cluster_errors, float)
+    m = np.asarray(cluster_sizes, float)
+    k, total = len(m), m.sum()
+    if eps <= 0.0 or k < 2 or total == 0:
+        return 1.0
+    r = e.sum() / total
+    var = k / (k - 1) * np.sum((e - r * m) ** 2) / total**2
+    if var == 0.0:
+        return 0.0 if r < eps else 1.0
+    return float(stats.norm.cdf((r - eps) / np.sqrt(var)))
+
+
+def table_p_value(table: CalibrationTable, i: int, eps: float) -> float:
+    """The p-value of threshold i: the binomial one, or the larger of it and the
+    cluster-robust one when the table has clusters."""
+    p = p_value(table.errors[i], table.n, eps)
+    if table.cluster_sizes:
+        p = max(p, p_value_clustered(table.cluster_errors[i], table.cluster_sizes, eps))
+    return p
+
+
 def pick_threshold(table: CalibrationTable, target_agreement: float,
                    delta: float = DEFAULT_DELTA) -> float:
     """The lowest threshold fixed-sequence testing certifies (risk <= 1 - target with
@@ -104,8 +147,8 @@ def pick_threshold(table: CalibrationTable, target_agreement: float,
     check_target(target_agreement, delta)
     eps = 1.0 - target_agreement
     chosen = exits.NEVER
-    for t, err in zip(table.thresholds, table.errors, strict=True):
-        if p_value(err, table.n, eps) > delta:
+    for i, t in enumerate(table.thresholds):
+        if table_p_value(table, i, eps) > delta:
             break
         chosen = t
     return chosen

@@ -304,8 +304,9 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
 def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progress: bool
                  ) -> dict:
     """Per group: the decision's confidence and correctness at every exit and scored
-    position, its table and certified threshold; the shipped threshold is the groups'
-    highest (`calibrate.pick_threshold_groups`). A pooled table is kept for reference."""
+    position, its table (clustered by packed row: an answer's tokens are correlated) and
+    certified threshold; the shipped threshold is the groups' highest
+    (`calibrate.pick_threshold_groups`). A pooled table is kept for reference."""
     from ee_jax.training import cached as C
     from ee_jax.training import calibrate
 
@@ -319,8 +320,10 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
                                  ccache["top"][..., 0].reshape(-1), progress=progress)
         keep = scored.reshape(-1)
         conf, agree = C.confidences(heads, cf[:, keep]), ca[:, keep]
+        rows_of = np.repeat(np.arange(len(rows)), rows.shape[1])[keep]  # cluster: packed row
         table = calibrate.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
-                                            min_exit_layer=ec.min_exit_layer)
+                                            min_exit_layer=ec.min_exit_layer,
+                                            clusters=rows_of)
         thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
         groups[group] = {"threshold": thr,
                          "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),

@@ -1,0 +1,211 @@
+"""Timed decode speed of the shipped exit heads against full depth (issue #12's bar), on the
+three workloads the teacher-forced evaluation uses.
+
+    python -m bench.shipped_exits --out docs/benchmarks.md
+    python -m bench.shipped_exits --tiny --prompts 2 --new-tokens 6 --repeats 1   # smoke test
+
+Method, in one process, per workload and (batch, policy):
+
+1. Reference: the engine built with `early_exit=False` (the fastest full-depth program: no
+   exit checks compiled in) generates each prompt's greedy answer (--new-tokens at most,
+   stopping at EOS as a user's request would).
+2. Both engines then decode the same sequences, the reference tokens forced
+   (`SamplingParams.forced_tokens`), so their speeds compare like for like; the exit engine's
+   own predictions give the teacher-forced (TF) agreement with full depth.
+3. Warm-up: one pass each (compile time reported apart). Then --repeats rounds with the two
+   engines interleaved, the order alternating; decode tokens/s is the engine's own (decode
+   steps' time), and the ratio is of the medians. Every pass records the share of the CPU
+   other processes used meanwhile (contention): on a shared machine the ratio is the figure
+   to read, and the per-round ratios show its spread.
+4. Exit figures of the exit engine: mean executed layers per decoded row, the row exit
+   histogram and the ideal with head and check costs ((L + head) / (layers + checks + exit
+   head), the engine's cost model).
+
+Workloads: held-out instructions (`data.instructions("eval")`, chat template), HumanEval
+prompts (raw), everyday chat (`prompts.GENERAL_CHAT`, chat template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench.common import cpu_model, exit_summary, log, serve, write_marked
+from bench.per_row import agreement, forced_params, make_llm
+
+MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
+WORKLOADS = ("instructions", "humaneval", "chat")
+
+
+def workload_prompts(model, kind: str, n: int) -> list[list[int]]:
+    from ee_jax.evaluation import prompts as P
+
+    tok = model.tokenizer
+    if kind == "instructions":
+        return P.chat_prompts(tok, P.held_out_instructions(n))
+    if kind == "humaneval":
+        return P.humaneval_prompts(tok, n)
+    if kind == "chat":
+        return P.chat_prompts(tok, P.GENERAL_CHAT[:n])
+    raise SystemExit(f"unknown workload {kind!r}; choose from {WORKLOADS}")
+
+
+def tiny_setup(n: int):
+    """A 4-layer random model, random prompts and untrained candidate heads (smoke test)."""
+    from ee_jax.models import exits, llama
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.testing import tiny_config
+
+    cfg = tiny_config(eos_token_ids=(), max_position=2048)
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.4)
+    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
+                          measure="candidates", candidates=4, threshold=0.5)
+    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(10, 30))).tolist()
+               for _ in range(n)]
+    return LoadedModel(cfg, params, None, "tiny"), ec, heads, prompts
+
+
+def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int) -> dict:
+    """Full depth vs the exit engine (ec, heads) on `prompts` at max_num_seqs=batch."""
+    from ee_jax.serving.params import greedy
+
+    L = model.config.n_layers
+    max_len = -(-(max(map(len, prompts)) + new_tokens + 16) // 16) * 16
+    full = make_llm(model, None, None, batch, max_len)
+    refs = [o.token_ids for o in serve(full, prompts, greedy(new_tokens)).outputs]
+    engines = {"full depth": full, "exits": make_llm(model, ec, heads, batch, max_len)}
+    params = forced_params(refs)
+    res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
+    for name, llm in engines.items():  # warm-up: every program these sequences need
+        s = serve(llm, prompts, params)
+        res[name]["compile"] = s.compile_time
+    ratios = []
+    for rep in range(repeats):
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        tps = {}
+        for name in order:
+            s = serve(engines[name], prompts, params)
+            r = res[name]
+            tps[name] = s.stats.decode_tokens_per_s
+            r["tps"].append(tps[name])
+            r["contention"].append(s.contention)
+            r["compiles"] = r.get("compiles", 0) + s.num_compiles
+            if name == "exits" and rep == 0:
+                ex = exit_summary(s.stats, model.config, ec)
+                r.update(mean=ex["mean_layers"], hist=ex["row_hist"], ideal=ex["ideal"],
+                         agree=agreement(s.outputs, refs))
+        ratios.append(tps["exits"] / tps["full depth"])
+        log(f"    round {rep + 1}: full {tps['full depth']:.1f} tok/s, exits "
+            f"{tps['exits']:.1f} tok/s ({ratios[-1]:.2f}x)")
+    for r in res.values():
+        r["median"] = statistics.median(r["tps"])
+    out = res["exits"]
+    return dict(full=res["full depth"]["median"], exits=out["median"],
+                ratio=out["median"] / res["full depth"]["median"], ratios=ratios,
+                contention=max(c for r in res.values() for c in r["contention"]),
+                compile={k: r["compile"] for k, r in res.items()},
+                compiles=sum(r.get("compiles", 0) for r in res.values()),
+                mean=out.get("mean", L), hist=out.get("hist", ""), ideal=out.get("ideal", 1.0),
+                agree=out.get("agree", 1.0), tokens=sum(map(len, refs)),
+                prompts=len(prompts))
+
+
+def render(ctx) -> str:
+    out = ["### Timed: shipped heads vs full depth (`bench/shipped_exits.py`)", "",
+           f"Command: `{ctx['command']}`  ",
+           f"Machine: {ctx['machine']}; jax {jax.__version__}, backend "
+           f"{jax.default_backend()}. Weights: {ctx['weights']}. Run {ctx['date']}.  ",
+           f"Exits: {ctx['heads']}.  ",
+           f"Each workload: {ctx['n_prompts']} prompts, the full-depth greedy answer "
+           f"({ctx['new_tokens']} tokens at most) forced on both engines; median of "
+           f"{ctx['repeats']} interleaved rounds after a warm-up pass. Method: the docstring "
+           f"of `bench/shipped_exits.py`.", "",
+           "| workload | batch, policy | tokens | full depth tok/s | exits tok/s | ratio "
+           "(rounds) | TF agreement | mean layers / row | ideal with head | max contention | "
+           "row exit histogram (layer:rows) |",
+           "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for (w, b, pol), r in ctx["rows"]:
+        rounds = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        out.append(f"| {w} | {b}, {pol} | {r['tokens']} | {r['full']:.1f} | {r['exits']:.1f} "
+                   f"| **{r['ratio']:.2f}x** ({rounds}) | {r['agree']:.3f} | {r['mean']:.2f} | "
+                   f"{r['ideal']:.3f}x | {100 * r['contention']:.0f}% | {r['hist']} |")
+    out += ["", "Ratio: exits over full depth, decode tokens/s (the engines' own decode-step "
+            "time), medians; the rounds' own ratios in brackets. TF agreement: the exit "
+            "engine's predicted token equals the forced full-depth token. Max contention: the "
+            "largest share of the CPU other processes used during any measured pass."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m bench.shipped_exits",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--exit-heads", type=Path, default=None,
+                   help="folder of exit heads (default: the heads shipped for --model)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per workload at batch 1")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
+                   help="batch:policy pairs (batch 8 uses 2 x 8 prompts)")
+    p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
+    p.add_argument("--out", type=Path, default=None,
+                   help="markdown file whose bench.shipped_exits section is (re)written")
+    args = p.parse_args(argv)
+    runs = []
+    for spec in args.batch_runs:
+        b, _, pol = spec.partition(":")
+        runs.append((int(b), pol or "all"))
+    if args.tiny:
+        model, ec, heads, tiny_prompts = tiny_setup(2 * max(b for b, _ in runs))
+        weights, what = "tiny random (4 layers, f32)", "untrained candidate heads"
+        args.workloads = ["random"]
+    else:
+        from ee_jax.models.exit_checkpoint import load_exit_heads
+        from ee_jax.models.loading import load_model
+
+        model = load_model(args.model, dtype="float32", progress=False)
+        weights = f"{args.model} (f32)"
+        if args.exit_heads is not None:
+            ec, heads = load_exit_heads(args.exit_heads, model.config)
+            what = f"heads from {args.exit_heads}"
+        else:
+            ec, heads = model.shipped_exit_heads()
+            what = f"heads shipped for {args.model}"
+    what += (f": {ec.head} head, measure {ec.measure}, exits {ec.exit_layers[0]}-"
+             f"{ec.exit_layers[-1]} ({len(ec.exit_layers)}), threshold {ec.threshold} "
+             f"(target agreement {ec.target_agreement})")
+    ctx = dict(command="python -m bench.shipped_exits " + " ".join(argv),
+               machine=f"{cpu_model()}, {os.cpu_count()} cores", weights=weights,
+               date=time.strftime("%Y-%m-%d %H:%M"), heads=what, n_prompts=args.prompts,
+               new_tokens=args.new_tokens, repeats=args.repeats, rows=[])
+    for w in args.workloads:
+        for b, pol in runs:
+            n = args.prompts if b == 1 else 2 * b
+            prompts = tiny_prompts[:n] if args.tiny else workload_prompts(model, w, n)
+            log(f"{w}: batch {b}, policy {pol}, {len(prompts)} prompts")
+            r = compare(model, dataclasses.replace(ec, policy=pol), heads, prompts, b,
+                        args.new_tokens, args.repeats)
+            ctx["rows"].append(((w, b, pol), r))
+            log(f"  {w} batch {b} {pol}: {r['ratio']:.2f}x, TF {r['agree']:.3f}, mean layers "
+                f"{r['mean']:.2f}, ideal with head {r['ideal']:.3f}x")
+            text = render(ctx)
+            if args.out:  # after every row: a long run leaves what it has
+                write_marked(args.out, text, MARK)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
