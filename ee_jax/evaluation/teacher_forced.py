@@ -149,7 +149,8 @@ def to_markdown(res: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for vname, v in w["variants"].items():
             for s in v["simulated"]:
-                hist = " ".join(f"{k}:{c}" for k, c in sorted(s["exit_counts"].items()))
+                hist = " ".join(f"{k}:{c}" for k, c in sorted(s["exit_counts"].items(),
+                                                              key=lambda kc: int(kc[0])))
                 lines.append(f"| {vname} | {s['threshold']:g} | {s['agreement']:.3f} | "
                              f"{s['mean_layers']:.2f} | {s['ideal_speedup']:.3f}x | "
                              f"{s['ideal_with_head']:.3f}x | {hist} |")
