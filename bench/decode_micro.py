@@ -11,11 +11,24 @@ CPU; each figure is the best of a few runs of all 30 layers.
 2. Decode attention (T = 1) over 30 layers: the engine's paged path (K/V scatter, page gather,
    `gqa_attention`) on a donated cache, the gather alone, `gqa_attention` on contiguous K/V,
    and torch's `scaled_dot_product_attention` on the same shapes for comparison.
+3. `--step`: the engine's whole full-depth decode step (`step.model_step`, FullDepth, cache
+   donated) on random weights, one program per attention variant, timed interleaved: wall
+   median / best and this process's CPU time per step (on a shared machine the CPU time and
+   the best wall are the steadier figures). Variants: any `attention_kernels.BACKENDS` name,
+   `xla_unblocked` (xla as one loop over all rows) and `none` (no attention: the dense part).
+
+    python -m bench.decode_micro --step --batches 1 8 32 --attention xla xla_unblocked none
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
+import inspect
 import os
+import resource
+import statistics
 import time
 
 import jax
@@ -134,8 +147,106 @@ def attention(shapes=((1, 512), (8, 512), (32, 512), (32, 256))) -> None:
         print(line, flush=True)
 
 
-def main() -> int:
+# --------------------------------------------------------------------------- whole step
+
+# Context lengths of the rows per batch (uniform in [lo, hi]) and the page bucket, as in
+# bench.serving's decode: HumanEval prompts of 128-323 tokens plus up to 128 new ones.
+STEP_SHAPES = {1: (16, 220, 230), 8: (32, 148, 396), 32: (32, 128, 451)}
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@contextlib.contextmanager
+def _extra_backends():
+    """The bench's variants as attention backends for the length of the run."""
+    from ee_jax.serving import attention_kernels as ak
+
+    extra = {"xla_unblocked": functools.partial(ak.xla, row_block=1 << 30),
+             "none": lambda q, cache, layer, meta, **_: q}
+    added = [k for k in extra if k not in ak.BACKENDS]
+    ak.BACKENDS.update({k: extra[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            del ak.BACKENDS[k]
+
+
+def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), repeats: int = 7,
+         steps: int = 3) -> None:
+    from bench.common import smollm2_shaped_random
+    from ee_jax.serving.attention import AttentionMetadata
+    from ee_jax.serving.kv_cache import NULL_PAGE, allocate_cache
+    from ee_jax.serving.step import FullDepth, model_step
+
+    cfg, params = smollm2_shaped_random()
+    S = 16
+
+    takes_last_idx = "last_idx" in inspect.signature(model_step).parameters  # older step
+
+    def program(attention: str):
+        def f(params, cache, tokens, meta):
+            B = tokens.shape[0]
+            kw = {"last_idx": jnp.zeros((B,), jnp.int32)} if takes_last_idx else {}
+            r, cache = model_step(params, None, cache, tokens, meta, thresholds=jnp.ones((B,)),
+                                  cfg=cfg, policy=FullDepth(), attention=attention, **kw)
+            return r.logits, cache
+        return jax.jit(f, donate_argnums=1)
+
+    for B in batches:
+        W, lo, hi = STEP_SHAPES.get(B, (32, 128, 451))
+        rng = np.random.default_rng(B)
+        lens = rng.integers(lo, hi + 1, size=B).astype(np.int32)
+        pool = rng.permutation(np.arange(1, 1 + B * W))
+        table = np.full((B, W), NULL_PAGE, np.int32)
+        for b, n in enumerate(lens):
+            need = -(-int(n) // S)
+            table[b, :need], pool = pool[:need], pool[need:]
+        meta = AttentionMetadata(jnp.asarray(lens[:, None] - 1), jnp.asarray(table),
+                                 jnp.asarray(lens))
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, 1)), jnp.int32)
+        fns, caches, logits = {}, {}, {}
+        for name in attentions:
+            fns[name] = program(name)
+            caches[name] = allocate_cache(cfg, 1 + B * W, S)
+            out, caches[name] = fns[name](params, caches[name], tokens, meta)
+            logits[name] = np.asarray(out)
+        wall: dict[str, list[float]] = {n: [] for n in fns}
+        cpu: dict[str, list[float]] = {n: [] for n in fns}
+        for _ in range(repeats):
+            for name, fn in fns.items():  # interleaved
+                c0, t0 = _cpu_seconds(), time.perf_counter()
+                for _ in range(steps):
+                    out, caches[name] = fn(params, caches[name], tokens, meta)
+                jax.block_until_ready(out)
+                wall[name].append((time.perf_counter() - t0) / steps)
+                cpu[name].append((_cpu_seconds() - c0) / steps)
+        first = attentions[0]
+        parts = []
+        for name in fns:
+            same = "" if name in ("none", first) else (
+                f", max |logits - {first}| {np.abs(logits[name] - logits[first]).max():.1e}")
+            med, best = statistics.median(wall[name]), min(wall[name])
+            parts.append(f"{name} {1e3 * med:.1f} ms (best {1e3 * best:.1f}, cpu "
+                         f"{1e3 * statistics.median(cpu[name]):.1f}){same}")
+        print(f"step B={B} W={W} rows {lo}-{hi} keys: " + "; ".join(parts), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--step", action="store_true", help="only the whole-step comparison")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--attention", nargs="+", default=["xla", "xla_unblocked"])
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    if args.step:
+        with _extra_backends():
+            step(args.batches, args.attention, repeats=args.repeats)
+        return 0
     weight_layouts()
     attention()
     return 0
