@@ -68,7 +68,7 @@ def layout_copy(q, cache, layer, meta, **_):
 
 CHOICES = {**BACKENDS, "layout_copy": layout_copy,
            # xla as one loop over every row up to the longest (before rows were sorted into
-           # blocks of `attention_kernels._ROW_BLOCK`): the blocks' gain, side by side
+           # row blocks, see `attention_kernels._ROW_BLOCKS`): the blocks' gain, side by side
            "xla_unblocked": functools.partial(BACKENDS["xla"], row_block=1 << 30)}
 
 

@@ -159,6 +159,14 @@ def test_xla_row_blocks_equal_dense(row_block, page_size, lengths, T, window, so
                                atol=1e-5, rtol=1e-5)
 
 
+def test_xla_default_row_blocks():
+    """Eight rows (two default blocks of four) of mixed lengths, padding rows among them."""
+    q, cache, meta, truth = make_case(13, [5, MAX_LEN, 0, 17, 1, 33, 0, 40], 4, T=1)
+    got = np.asarray(jitted("xla")(q, cache, jnp.int32(0), meta, scale=None))
+    np.testing.assert_allclose(got, dense_truth(truth, 0, HD ** -0.5, None, None),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_xla_row_block_must_be_positive():
     q, cache, meta, _ = make_case(0, [3, 5], 4, T=1)
     with pytest.raises(ValueError, match="row_block"):

@@ -40,11 +40,13 @@ _NEG = -1e30
 # larger chunks no worse at batch 1-8, within the noise of a shared 2-core machine.
 _CHUNK_KEYS = 128
 _CHUNK_ELEMENTS = 2048
-# xla: rows per block once a batch holds at least two blocks. Sorted by kv_len, each block's
-# loop stops at its own longest row: at batch 32 with rows of 128-451 keys (a 512-key page
-# bucket) blocks of 8 ran ~20% faster than one loop over all rows (bench/attention.py
-# --backends xla xla_unblocked); blocks of 4 were no better, 16 about the same.
-_ROW_BLOCK = 8
+# xla: rows per block, max(_MIN_ROW_BLOCK, B // _ROW_BLOCKS), once a batch holds at least two
+# blocks. Sorted by kv_len, each block's loop stops at its own longest row. Measured on the
+# whole decode step (bench/decode_micro.py --step, rows of ~130-450 keys in a 512-key page
+# bucket): batch 32, blocks of 8: 15% less step time than one loop over all rows; blocks of 4
+# or 16 no better than 8; batch 8, blocks of 4: 8-11% less CPU time per step.
+_ROW_BLOCKS = 4
+_MIN_ROW_BLOCK = 4
 
 reference: Backend = paged_attention
 
@@ -108,7 +110,7 @@ def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     """Flash-decoding in plain XLA: no [B, W*S] copy, and no work past each row block's
     longest row.
 
-    With B >= 2 * row_block (static; default `_ROW_BLOCK`), rows are sorted by kv_len
+    With B >= 2 * row_block (static; default max(4, B // 4)), rows are sorted by kv_len
     (longest first) and cut into blocks of row_block rows, each attended by its own loop
     (`_flash`) that stops at the block's longest row; outputs go back to the rows' order.
     Fewer rows: one loop over all of them. `chunk_keys` (static; default
@@ -118,7 +120,7 @@ def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chunk_keys is None:
         chunk_keys = max(_CHUNK_KEYS, _CHUNK_ELEMENTS // B)
-    rb = _ROW_BLOCK if row_block is None else int(row_block)
+    rb = max(_MIN_ROW_BLOCK, B // _ROW_BLOCKS) if row_block is None else int(row_block)
     if rb < 1:
         raise ValueError(f"row_block must be >= 1, got {row_block}")
     kw = dict(scale=scale, window=window, softcap=softcap, chunk_keys=chunk_keys)
