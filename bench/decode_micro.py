@@ -15,9 +15,12 @@ CPU; each figure is the best of a few runs of all 30 layers.
    donated) on random weights, one program per attention variant, timed interleaved: wall
    median / best and this process's CPU time per step (on a shared machine the CPU time and
    the best wall are the steadier figures). Variants: any `attention_kernels.BACKENDS` name,
-   `xla_unblocked` (xla as one loop over all rows) and `none` (no attention: the dense part).
+   `xla_unblocked` (xla as one loop over all rows) and `none` (no attention: the dense part),
+   times `--layouts`: `in` (the params as loaded, input-major) and `out` (after
+   `llama.serving_layout`: layer weights output-major).
 
     python -m bench.decode_micro --step --batches 1 8 32 --attention xla xla_unblocked none
+    python -m bench.decode_micro --step --batches 1 2 8 32 --attention xla --layouts in out
 """
 
 from __future__ import annotations
@@ -175,14 +178,16 @@ def _extra_backends():
             del ak.BACKENDS[k]
 
 
-def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), repeats: int = 7,
-         steps: int = 3) -> None:
+def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), layouts=("in",),
+         repeats: int = 7, steps: int = 3) -> None:
     from bench.common import smollm2_shaped_random
+    from ee_jax.models import llama
     from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.kv_cache import NULL_PAGE, allocate_cache
     from ee_jax.serving.step import FullDepth, model_step
 
     cfg, params = smollm2_shaped_random()
+    by_layout = {"in": params, "out": llama.serving_layout(params)}
     S = 16
 
     takes_last_idx = "last_idx" in inspect.signature(model_step).parameters  # older step
@@ -208,26 +213,28 @@ def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), repeats: int =
         meta = AttentionMetadata(jnp.asarray(lens[:, None] - 1), jnp.asarray(table),
                                  jnp.asarray(lens))
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, 1)), jnp.int32)
-        fns, caches, logits = {}, {}, {}
-        for name in attentions:
-            fns[name] = program(name)
-            caches[name] = allocate_cache(cfg, 1 + B * W, S)
-            out, caches[name] = fns[name](params, caches[name], tokens, meta)
-            logits[name] = np.asarray(out)
+        fns, caches, logits, weights = {}, {}, {}, {}
+        for attention in attentions:
+            for layout in layouts:
+                name = attention if len(layouts) == 1 else f"{attention}/{layout}"
+                fns[name], weights[name] = program(attention), by_layout[layout]
+                caches[name] = allocate_cache(cfg, 1 + B * W, S)
+                out, caches[name] = fns[name](weights[name], caches[name], tokens, meta)
+                logits[name] = np.asarray(out)
         wall: dict[str, list[float]] = {n: [] for n in fns}
         cpu: dict[str, list[float]] = {n: [] for n in fns}
         for _ in range(repeats):
             for name, fn in fns.items():  # interleaved
                 c0, t0 = _cpu_seconds(), time.perf_counter()
                 for _ in range(steps):
-                    out, caches[name] = fn(params, caches[name], tokens, meta)
+                    out, caches[name] = fn(weights[name], caches[name], tokens, meta)
                 jax.block_until_ready(out)
                 wall[name].append((time.perf_counter() - t0) / steps)
                 cpu[name].append((_cpu_seconds() - c0) / steps)
-        first = attentions[0]
+        first = next(iter(fns))
         parts = []
         for name in fns:
-            same = "" if name in ("none", first) else (
+            same = "" if name.startswith("none") or name == first else (
                 f", max |logits - {first}| {np.abs(logits[name] - logits[first]).max():.1e}")
             med, best = statistics.median(wall[name]), min(wall[name])
             parts.append(f"{name} {1e3 * med:.1f} ms (best {1e3 * best:.1f}, cpu "
@@ -240,12 +247,13 @@ def main(argv=None) -> int:
     p.add_argument("--step", action="store_true", help="only the whole-step comparison")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--attention", nargs="+", default=["xla", "xla_unblocked"])
+    p.add_argument("--layouts", nargs="+", default=["in"], choices=["in", "out"])
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.step:
         with _extra_backends():
-            step(args.batches, args.attention, repeats=args.repeats)
+            step(args.batches, args.attention, args.layouts, repeats=args.repeats)
         return 0
     weight_layouts()
     attention()

@@ -18,6 +18,7 @@ shared head (candidate sets), and the embedding's gather stays exact.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -70,9 +71,60 @@ def check_quantize(quantize: str | None) -> str | None:
         f"it unset to serve the weights in the model dtype.")
 
 
-def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
-    """x @ w for a plain or an int8 weight. x: [..., in]; w: [in, out] -> [..., out] in x's
-    dtype. int8: the dot accumulates in f32 and the scale multiplies the result."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutMajor:
+    """A weight stored output-major for serving: t [..., out, in] is w transposed.
+
+    Why: XLA's CPU backend runs a one-row product x @ t.T as a matrix-vector loop over t's
+    contiguous rows, reading the stacked layer weight in place, about twice as fast as x @ w
+    on the input-major w (whose layer slice it copies first, then multiplies). Made by
+    `llama.serving_layout`; `linear` picks the product by the number of rows."""
+
+    t: jax.Array  # [..., out, in]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for, [..., in, out] (what `check_params` reads)."""
+        *lead, out, inp = self.t.shape
+        return (*lead, inp, out)
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.t.nbytes)
+
+
+# OutMajor products by row count (bench/decode_micro.py, SmolLM2's layer slices, 2-core CPU):
+# one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows reading the stacked
+# weight in place (about 2x x @ w on the input-major weight, whose layer slice XLA copies
+# first); up to _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left
+# operand; the barriers keep XLA from turning it back into x @ t.T, 20-30% slower there), as
+# fast as x @ w within the noise (one matrix-vector loop per row was slower at 2 rows); above,
+# prompt-sized row counts (512+), x @ t.T again: equal to x @ w there, and the [out, rows]
+# result's transpose would cost more.
+_OUT_MAJOR_NN_ROWS = 64
+
+
+def _out_major_matmul(x: jax.Array, t: jax.Array) -> jax.Array:
+    """x [..., in] times w = t.T, for t [out, in], in the product the row count runs best."""
+    rows = math.prod(x.shape[:-1])
+    if rows == 1 or rows > _OUT_MAJOR_NN_ROWS:
+        return x @ jnp.swapaxes(t, -1, -2)
+    xt = jax.lax.optimization_barrier(x.reshape(rows, x.shape[-1]).T)  # [in, rows]
+    y = jax.lax.optimization_barrier(t @ xt)  # [out, rows]
+    return y.T.reshape(*x.shape[:-1], t.shape[-2])
+
+
+def linear(x: jax.Array, w: jax.Array | QArray | OutMajor) -> jax.Array:
+    """x @ w for a plain, an output-major or an int8 weight. x: [..., in]; w: [in, out] ->
+    [..., out] in x's dtype. int8: the dot accumulates in f32 and the scale multiplies the
+    result."""
+    if isinstance(w, OutMajor):
+        return _out_major_matmul(x, w.t)
     if isinstance(w, QArray):
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
