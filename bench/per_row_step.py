@@ -82,15 +82,13 @@ def main(argv=None) -> int:
         "per_row all": ("per_row", thresholds(lambda i: True), e),
         "all all": ("all", thresholds(lambda i: True), e),
     }
-    last_idx = jnp.zeros((B,), jnp.int32)
     steps = {}
     for name, (policy, thr, _) in variants.items():
         pol = policy_for(dataclasses.replace(ec, policy=policy), "decode")
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def step(params, cache, thr, pol=pol):
-            result, cache = model_step(params, heads, cache, tokens, meta, last_idx, thr, cfg,
-                                       pol)
+            result, cache = model_step(params, heads, cache, tokens, meta, thr, cfg, pol)
             return result.logits, cache
 
         t = time.perf_counter()

@@ -269,9 +269,11 @@ def test_precompile_covers_every_shape_a_run_meets():
        chunk=st.sampled_from([1, 4, 16, 32, 64]), budget=st.integers(1, 100))
 def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chunk, budget):
     """`step_shapes` (what precompile compiles) equals a brute-force walk over every batch the
-    scheduler can form: r rows, the longest chunk n (rows' chunks fit the token budget), and
-    the furthest position reached, start + n <= max_model_len."""
-    from ee_jax.serving.model_runner import StepShape
+    scheduler can form: r rows, each with some query blocks (a chunk of n tokens takes
+    ceil((n - 1) / QUERY_BLOCK); the fewest tokens for b >= 1 blocks are (b - 1) Q + 2, and
+    longer chunks only shrink what is reachable), the rows' chunks within the token budget,
+    and the furthest position reached from the longest chunk to max_model_len."""
+    from ee_jax.serving.model_runner import QUERY_BLOCK, StepShape, query_blocks
     from ee_jax.serving.scheduler import SchedulerConfig
 
     cfg = SchedulerConfig(max_num_seqs=seqs, max_model_len=model_len, page_size=page,
@@ -279,10 +281,21 @@ def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chu
                           batch_buckets=(1, 2, 4, 8, 16))
     want = {StepShape(cfg.batch_bucket(r), 1, cfg.page_bucket(end), kind="decode")
             for r in range(1, seqs + 1) for end in range(1, model_len + 1)}
-    want |= {StepShape(cfg.batch_bucket(r), cfg.token_bucket(n), cfg.page_bucket(end),
-                       kind="prefill")
-             for r in range(1, seqs + 1) for n in range(1, min(chunk, budget) + 1)
-             if r - 1 + n <= budget for end in range(n, model_len + 1)}
+    longest_chunk = min(chunk, budget)
+
+    def fewest_tokens(b):
+        return (b - 1) * QUERY_BLOCK + 2 if b else 1
+
+    for r in range(1, seqs + 1):
+        for blocks in itertools.combinations_with_replacement(
+                range(query_blocks(longest_chunk) + 1), r):
+            n = [fewest_tokens(b) for b in blocks]
+            assert all(query_blocks(x) == b for x, b in zip(n, blocks, strict=True))
+            if sum(n) > budget or max(n) > longest_chunk:
+                continue
+            want |= {StepShape(cfg.batch_bucket(r), cfg.prefill_tokens(sum(blocks)),
+                               cfg.page_bucket(end, "prefill"), kind="prefill")
+                     for end in range(max(n), model_len + 1)}
     assert set(cfg.step_shapes()) == want
 
 

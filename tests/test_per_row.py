@@ -110,8 +110,7 @@ def step_case():
     @jax.jit
     def step(heads, cache, tokens, meta, thresholds):
         traces.append(1)
-        result, cache = model_step(PARAMS, heads, cache, tokens, meta,
-                                   jnp.zeros(tokens.shape[:1], jnp.int32), thresholds, CFG,
+        result, cache = model_step(PARAMS, heads, cache, tokens, meta, thresholds, CFG,
                                    PerRow(CLS_EC))
         return result.logits, result.exit_layer, result.checks, result.work, cache
 

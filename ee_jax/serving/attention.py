@@ -15,6 +15,7 @@ ships for GPU and TPU) are tested against.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -30,21 +31,63 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, gather_layer, write_laye
 class AttentionMetadata:
     """Built once per step, handed unchanged to every layer.
 
-    A token is real iff its position is < kv_lens of its row; padding tokens (in a prompt
-    chunk shorter than the bucket) and padding rows (kv_lens == 0) write to the null page
-    and are never attended to.
+    Every step has B rows (sequences), each with its own page table and kv_len, and T tokens
+    per row in `positions` (decode: one; a prefill step: each row's last token). A prefill
+    step also carries the rest of its rows' chunks packed on one token axis (ragged prefill,
+    architecture.md section 5): N = NB x Q tokens in query blocks of Q consecutive tokens of
+    one row (`block_positions` [NB, Q], `block_rows` [NB]), so the dense work runs on the
+    real tokens, not on B x the longest chunk. A layer then sees its tokens as one axis
+    [N + B]: the blocks, then one token per row (`token_positions`).
+
+    A token is real iff its position is < kv_lens of its row; padding tokens (the tail of a
+    row's last block) and padding rows and blocks (kv_lens 0, block_rows -1) write to the
+    null page and are never attended to.
     """
 
-    positions: jax.Array  # [B, T] int32, absolute positions of this step's tokens
+    positions: jax.Array  # [B, T] int32, absolute positions of the rows' tokens
     page_table: jax.Array  # [B, W] int32, padded with the null page
     kv_lens: jax.Array  # [B] int32, number of valid keys once this step's K/V are written
+    block_positions: jax.Array | None = None  # [NB, Q] int32 (prefill steps with blocks)
+    block_rows: jax.Array | None = None  # [NB] int32, the row of each block; -1: padding
 
     @property
-    def token_valid(self) -> jax.Array:  # [B, T]
+    def has_blocks(self) -> bool:  # static: the layout of the layer's token axis
+        return self.block_rows is not None
+
+    @property
+    def token_positions(self) -> jax.Array:
+        """Positions in the layer's token layout: [B, T] without blocks, else [N + B]
+        (blocks, then the rows' tokens; a prefill step's rows hold one token each)."""
+        if not self.has_blocks:
+            return self.positions
+        return jnp.concatenate([self.block_positions.reshape(-1), self.positions[:, 0]])
+
+    def rows_view(self) -> AttentionMetadata:
+        """The rows' tokens alone: [B, T] queries, one per-row table (what backends take)."""
+        return AttentionMetadata(self.positions, self.page_table, self.kv_lens)
+
+    def blocks_view(self) -> AttentionMetadata:
+        """The query blocks as rows of their own: [NB, Q] queries, each block with its row's
+        page table and kv_len (0 for padding blocks). Blocks of one row see each other's
+        keys through the cache, like any earlier key of the row."""
+        rows = jnp.maximum(self.block_rows, 0)
+        return AttentionMetadata(self.block_positions, self.page_table[rows],
+                                 jnp.where(self.block_rows >= 0, self.kv_lens[rows], 0))
+
+    @property
+    def token_valid(self) -> jax.Array:  # [B, T], or [N + B] with blocks
+        if self.has_blocks:
+            return jnp.concatenate([self.blocks_view().token_valid.reshape(-1),
+                                    self.rows_view().token_valid[:, 0]])
         return self.positions < self.kv_lens[:, None]
 
     def write_slots(self, page_size: int):
-        """(pages, offsets), each [B, T]: where this step's tokens go in the cache."""
+        """(pages, offsets), each [B, T] (or [N + B] with blocks, the layer's token layout):
+        where this step's tokens go in the cache."""
+        if self.has_blocks:
+            parts = [m.write_slots(page_size) for m in (self.blocks_view(), self.rows_view())]
+            return tuple(jnp.concatenate([a.reshape(-1), b.reshape(-1)])
+                         for a, b in zip(*parts, strict=True))
         W = self.page_table.shape[1]
         page_idx = jnp.clip(self.positions // page_size, 0, W - 1)
         pages = jnp.take_along_axis(self.page_table, page_idx, axis=1)
@@ -59,7 +102,8 @@ Backend = Callable[..., jax.Array]
 
 def write_kv(cache: KVCache, layer, meta: AttentionMetadata, k: jax.Array, v: jax.Array
              ) -> KVCache:
-    """k, v: [B, T, K, hd] written at this step's slots of `layer`."""
+    """k, v: [B, T, K, hd] (or [N + B, K, hd] with blocks) written at this step's slots of
+    `layer`: one scatter."""
     pages, offsets = meta.write_slots(cache.page_size)
     kh, hd = k.shape[-2:]
     return write_layer(cache, layer, pages.reshape(-1), offsets.reshape(-1),
@@ -108,9 +152,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
            meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
            ) -> tuple[jax.Array, KVCache]:
     """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
-    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache)."""
+    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache).
+
+    With query blocks (a ragged prefill step) q, k, v are on the layer's one token axis
+    [N + B, heads, hd]: every K/V is written first (one scatter), then the backend runs twice,
+    on the blocks as [NB, Q] query rows and on the rows' own tokens as [B, 1], and the
+    outputs go back to the token axis."""
     cache = _keep_sharding(write_kv(cache, layer, meta, k, v), cfg)
-    out = backend_by_name(backend)(q, cache, layer, meta, scale=cfg.attn_scale,
-                                   window=llama.layer_window(cfg, layer),
-                                   softcap=cfg.attn_logit_softcap)
-    return out, cache
+    fn = functools.partial(backend_by_name(backend), cache=cache, layer=layer,
+                           scale=cfg.attn_scale, window=llama.layer_window(cfg, layer),
+                           softcap=cfg.attn_logit_softcap)
+    if not meta.has_blocks:
+        return fn(q, meta=meta), cache
+    NB, Q = meta.block_positions.shape
+    N = NB * Q
+    blocks = fn(q[:N].reshape(NB, Q, *q.shape[1:]), meta=meta.blocks_view())
+    rows = fn(q[N:, None], meta=meta.rows_view())
+    return jnp.concatenate([blocks.reshape(N, *q.shape[1:]), rows[:, 0]]), cache

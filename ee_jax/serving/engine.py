@@ -27,7 +27,13 @@ from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
-from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
+from ee_jax.serving.model_runner import (
+    QUERY_BLOCK,
+    ModelRunner,
+    StepBatch,
+    query_blocks,
+    unpack_results,
+)
 from ee_jax.serving.params import (
     InvalidRequestError,
     RequestMetrics,
@@ -413,22 +419,31 @@ class LLMEngine:
         return self._process(launched, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
+        """Each row's last token in its own slot; the rest of its chunk in query blocks on
+        the packed token axis (prefill steps; architecture.md section 5)."""
         b = StepBatch.empty(schedule.shape)
         W = schedule.shape.pages
         default_threshold = self.exit_config.threshold if self.exit_config else np.inf
+        off = 0  # next free query block
         for r, row in enumerate(schedule.rows):
-            seq, n = row.seq, row.num_tokens
-            toks = seq.tokens(row.start, row.start + n)
+            seq, n, start = row.seq, row.num_tokens, row.start
+            toks = seq.tokens(start, start + n)
             if n == 1 and toks[0] == PENDING:
                 b.src_row[r] = seq.inflight_row  # still on the device: the step reads it there
                 toks = [0]
-            b.tokens[r, :n] = toks
-            b.positions[r, :n] = np.arange(row.start, row.start + n)
-            b.positions[r, n:] = row.start + n  # padding: beyond kv_len, never written/read
+            b.tokens[r, 0] = toks[-1]
+            b.positions[r, 0] = start + n - 1
+            if n > 1:  # the rest in query blocks; a block's tail is padding beyond kv_len
+                nb = query_blocks(n)
+                lo, hi = off * QUERY_BLOCK, (off + nb) * QUERY_BLOCK
+                b.block_tokens[lo:lo + n - 1] = toks[:-1]
+                b.block_positions[lo:hi] = start + n  # padding: never written or read
+                b.block_positions[lo:lo + n - 1] = np.arange(start, start + n - 1)
+                b.block_rows[off:off + nb] = r
+                off += nb
             table = self.blocks.page_table(seq.seq_id)[:W]
             b.page_table[r, :len(table)] = table
-            b.kv_lens[r] = row.start + n
-            b.last_idx[r] = n - 1
+            b.kv_lens[r] = start + n
             b.seeds[r] = seq.seed
             b.sample_idx[r] = len(seq.output_token_ids)
             p = seq.params

@@ -25,12 +25,28 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
 from ee_jax.serving.step import model_step, policy_for
 
+# Tokens per query block of a ragged prefill step (architecture.md section 5): each row's
+# chunk but its last token is padded to a multiple of this, so a block belongs to one row.
+# Padding costs at most QUERY_BLOCK - 1 tokens a row; attention runs per block.
+QUERY_BLOCK = 32
+
+
+def query_blocks(num_tokens: int) -> int:
+    """Query blocks a chunk of `num_tokens` takes in a prefill step: all but its last token,
+    which rides in the row's own slot."""
+    return -(-(num_tokens - 1) // QUERY_BLOCK)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """Static shape of one compiled step: B rows, T tokens per row, W pages per row, and the
-    step's kind: "prefill" (prompt tokens, always full depth) or "decode" (one token per row,
-    under the engine's exit policy). The kind, never T, decides."""
+    """Static shape of one compiled step: B rows, `tokens`, W pages per row, and the step's
+    kind: "prefill" (prompt tokens, always full depth) or "decode" (one token per row, under
+    the engine's exit policy). The kind, never the token count, decides.
+
+    Every row has one token of its own (the one sampled). `tokens` is 1 for decode; for
+    prefill it is N, the tokens packed in query blocks besides (the rest of the rows' chunks:
+    a multiple of QUERY_BLOCK, 0 when every chunk is one token), so a prefill step runs
+    N + B tokens, never B x the longest chunk."""
 
     batch: int
     tokens: int
@@ -42,12 +58,21 @@ class StepShape:
             raise ValueError(f"StepShape.kind must be 'prefill' or 'decode', got {self.kind!r}")
         if self.kind == "decode" and self.tokens != 1:
             raise ValueError(f"a decode step has one token per row, got tokens={self.tokens}")
+        if self.kind == "prefill" and (self.tokens < 0 or self.tokens % QUERY_BLOCK):
+            raise ValueError(f"a prefill step's packed tokens are a multiple of QUERY_BLOCK "
+                             f"({QUERY_BLOCK}), got tokens={self.tokens}")
+
+    @property
+    def block_tokens(self) -> int:
+        """N: tokens in query blocks (0 for decode)."""
+        return self.tokens if self.kind == "prefill" else 0
 
     # Layout of the single int32 host buffer (floats are bit-cast into it).
     def _fields(self) -> tuple[tuple[str, int], ...]:
-        B, T, W = self.batch, self.tokens, self.pages
-        return (("tokens", B * T), ("positions", B * T), ("page_table", B * W),
-                ("kv_lens", B), ("last_idx", B), ("seeds", B), ("sample_idx", B),
+        B, N, W = self.batch, self.block_tokens, self.pages
+        return (("tokens", B), ("positions", B), ("block_tokens", N),
+                ("block_positions", N), ("block_rows", N // QUERY_BLOCK),
+                ("page_table", B * W), ("kv_lens", B), ("seeds", B), ("sample_idx", B),
                 ("top_k", B), ("temperature", B), ("top_p", B), ("threshold", B),
                 ("src_row", B))
 
@@ -61,27 +86,31 @@ class StepBatch:
     """Host-side inputs of one step, already padded to a StepShape."""
 
     shape: StepShape
-    tokens: np.ndarray  # [B, T] int32
-    positions: np.ndarray  # [B, T] int32
+    tokens: np.ndarray  # [B, 1] int32, each row's token (the last of its chunk: sampled)
+    positions: np.ndarray  # [B, 1] int32
+    block_tokens: np.ndarray  # [N] int32, the rest of the chunks, in query blocks
+    block_positions: np.ndarray  # [N] int32; padding: a position >= its row's kv_len
+    block_rows: np.ndarray  # [N / QUERY_BLOCK] int32, the row of each block; -1: padding
     page_table: np.ndarray  # [B, W] int32
     kv_lens: np.ndarray  # [B] int32 (0 for padding rows)
-    last_idx: np.ndarray  # [B] int32, index in T of the token whose logits are sampled
     seeds: np.ndarray  # [B] int32
     sample_idx: np.ndarray  # [B] int32, how many tokens the request has sampled so far
     top_k: np.ndarray  # [B] int32
     temperature: np.ndarray  # [B] f32
     top_p: np.ndarray  # [B] f32
     threshold: np.ndarray  # [B] f32, early-exit confidence threshold of each row
-    # [B] int32: decode rows whose input token the previous step sampled and the host has
-    # not read yet take it from that step's device result, row src_row; -1: `tokens` holds it
+    # [B] int32: rows whose token the previous step sampled and the host has not read yet
+    # take it from that step's device result, row src_row; -1: `tokens` holds it
     src_row: np.ndarray
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepBatch:
-        B, T, W = shape.batch, shape.tokens, shape.pages
-        return cls(shape, np.zeros((B, T), np.int32), np.zeros((B, T), np.int32),
+        B, N, W = shape.batch, shape.block_tokens, shape.pages
+        return cls(shape, np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32),
+                   np.zeros(N, np.int32), np.zeros(N, np.int32),
+                   np.full(N // QUERY_BLOCK, -1, np.int32),
                    np.full((B, W), NULL_PAGE, np.int32), np.zeros(B, np.int32),
-                   np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
+                   np.zeros(B, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32),
                    np.zeros(B, np.float32), np.full(B, -1, np.int32))
 
@@ -97,7 +126,7 @@ class StepBatch:
 
 
 def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
-    B, T, W = shape.batch, shape.tokens, shape.pages
+    B, W = shape.batch, shape.pages
     out, off = {}, 0
     for name, n in shape._fields():
         a = buf[off:off + n]
@@ -105,7 +134,9 @@ def unpack(shape: StepShape, buf: jax.Array) -> dict[str, jax.Array]:
         if name in ("temperature", "top_p", "threshold"):
             a = jax.lax.bitcast_convert_type(a, jnp.float32)
         if name in ("tokens", "positions"):
-            a = a.reshape(B, T)
+            a = a.reshape(B, 1)
+        elif name == "block_positions":
+            a = a.reshape(-1, QUERY_BLOCK)
         elif name == "page_table":
             a = a.reshape(B, W)
         out[name] = a
@@ -182,17 +213,21 @@ class ModelRunner:
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         tokens = inp["tokens"]
-        # One-token rows whose token the previous step sampled read it from the device.
+        # Rows whose token the previous step sampled read it from the device.
         src = inp["src_row"]
         from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
         tokens = tokens.at[:, 0].set(jnp.where(src >= 0, from_device, tokens[:, 0]))
         if self.mesh is not None and self.mesh.shape["dp"] > 1:  # rows over dp
             tokens = jax.lax.with_sharding_constraint(tokens,
                                                       sharding.batch_sharding(self.mesh, 2))
-        meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"])
+        blocks = shape.block_tokens > 0
+        meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"],
+                                 inp["block_positions"] if blocks else None,
+                                 inp["block_rows"] if blocks else None)
         policy = policy_for(self.exit_config, shape.kind)
-        result, cache = model_step(params, heads, cache, tokens, meta, inp["last_idx"],
-                                   inp["threshold"], self.cfg, policy, self.attention)
+        result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
+                                   self.cfg, policy, self.attention,
+                                   block_tokens=inp["block_tokens"] if blocks else None)
         sampled = sample(result.logits, sampling_tensors(inp))
         logprobs = token_logprobs(result.logits, sampled)
         last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)

@@ -19,7 +19,7 @@ import math
 from typing import Any, Literal
 
 from ee_jax.serving.block_manager import BlockManager
-from ee_jax.serving.model_runner import StepShape
+from ee_jax.serving.model_runner import QUERY_BLOCK, StepShape, query_blocks
 from ee_jax.serving.params import RequestMetrics, SamplingParams
 
 
@@ -77,7 +77,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # prefill token budget per step
     max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    min_prefill_bucket: int = 16
     min_page_bucket: int = 4
     # Decode rows ride along in a prefill step (at full depth, one token each, within the
     # token budget), so a running request never waits behind a long prompt.
@@ -100,17 +99,24 @@ class SchedulerConfig:
     def batch_bucket(self, n: int) -> int:
         return min(b for b in self.batch_buckets if b >= n)
 
-    def token_bucket(self, n: int) -> int:
-        return min(self.max_prefill_chunk, max(self.min_prefill_bucket, _next_bucket(n)))
+    def prefill_tokens(self, blocks: int) -> int:
+        """N of a prefill step whose rows take `blocks` query blocks: the blocks' bucket in
+        tokens (at least one block, so that every prefill step has the same layout)."""
+        return QUERY_BLOCK * _next_bucket(max(1, blocks))
 
-    def page_bucket(self, num_tokens: int) -> int:
+    def page_bucket(self, num_tokens: int, kind: str = "decode") -> int:
+        """Page-table width of a step whose furthest row ends at `num_tokens`. Prefill steps
+        take powers of two: attention is a small share of their work (the dense layers on
+        the packed tokens are the rest), and it halves their compiled shapes."""
         pages = math.ceil(num_tokens / self.page_size)
-        return min(self.pages_per_seq, max(self.min_page_bucket, _next_bucket(pages)))
+        bucket = _next_bucket(pages) if kind == "decode" else 1 << (pages - 1).bit_length()
+        return min(self.pages_per_seq, max(self.min_page_bucket, bucket))
 
     def step_shapes(self, kinds: tuple[str, ...] = ("decode", "prefill")) -> list[StepShape]:
         """Every step shape `Scheduler` can produce under this config (what `precompile`
-        compiles): decode steps by batch and page bucket; prefill steps by batch, chunk and
-        page bucket, where the rows' chunks fit the token budget."""
+        compiles): decode steps by batch and page bucket; prefill steps by batch bucket,
+        packed tokens (query blocks) and page bucket, where the rows' chunks fit the token
+        budget and the longest chunk fits the page bucket."""
         def firsts(bucket, hi: int) -> dict[int, int]:  # bucket -> smallest n mapping to it
             out: dict[int, int] = {}
             for n in range(1, hi + 1):
@@ -118,18 +124,31 @@ class SchedulerConfig:
             return out
 
         batches = firsts(self.batch_bucket, self.max_num_seqs)
-        pages = firsts(self.page_bucket, self.max_model_len)
         shapes = []
         if "decode" in kinds:
+            pages = firsts(self.page_bucket, self.max_model_len)
             shapes += [StepShape(b, 1, w, kind="decode") for b in batches for w in pages]
         if "prefill" in kinds:
+            # the furthest position a page bucket reaches
+            pages = firsts(lambda n: self.page_bucket(n, "prefill"), self.max_model_len)
+            reach = {w: min(w * self.page_size, self.max_model_len) for w in pages}
             budget = self.max_num_batched_tokens
-            chunks = firsts(self.token_bucket, min(self.max_prefill_chunk, budget))
-            shapes += [StepShape(b, t, w, kind="prefill")
-                       for b, nb in batches.items() for t, nt in chunks.items()
-                       for w in pages  # the furthest position a page bucket reaches
-                       if nb - 1 + nt <= budget
-                       and min(w * self.page_size, self.max_model_len) >= nt]
+            cap = query_blocks(min(self.max_prefill_chunk, budget))  # blocks of one row
+            seen = set()
+            for r in range(1, min(self.max_num_seqs, budget) + 1):
+                for nb in range(r * cap + 1):
+                    # nb blocks over r rows take the fewest tokens, and the shortest longest
+                    # chunk, spread over k = min(r, nb) rows: a row of b >= 1 blocks has at
+                    # least (b - 1) Q + 2 tokens, a row of none 1.
+                    k = min(r, nb)
+                    if (nb - k) * QUERY_BLOCK + k + r > budget:
+                        break
+                    longest = (-(-nb // k) - 1) * QUERY_BLOCK + 2 if nb else 1
+                    for w, end in reach.items():
+                        if end >= longest:
+                            seen.add(StepShape(self.batch_bucket(r), self.prefill_tokens(nb),
+                                               w, kind="prefill"))
+            shapes += sorted(seen, key=lambda s: (s.batch, s.tokens, s.pages))
         return shapes
 
 
@@ -250,8 +269,8 @@ class Scheduler:
         if not rows:
             return None
         shape = StepShape(cfg.batch_bucket(len(rows)),
-                          cfg.token_bucket(max(r.num_tokens for r in rows)),
-                          cfg.page_bucket(max(r.start + r.num_tokens for r in rows)),
+                          cfg.prefill_tokens(sum(query_blocks(r.num_tokens) for r in rows)),
+                          cfg.page_bucket(max(r.start + r.num_tokens for r in rows), "prefill"),
                           kind="prefill")
         return Schedule("prefill", rows, shape, [])
 

@@ -28,7 +28,9 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
 Prefill and full depth are the policy with no checks: a `fori_loop` with a static trip
 count, the fastest full-depth program the engine has (a `while_loop` whose checks are
 switched off is not: its bound is dynamic). The schedule's kind (`StepShape.kind`), not a
-shape, picks the policy: prompt tokens always run at full depth.
+shape, picks the policy: prompt tokens always run at full depth. A prefill step's tokens are
+packed on one axis (the query blocks, then each row's own token: ragged prefill,
+architecture.md section 5), so its dense work is on real tokens, not on B x the longest chunk.
 
 Cost model of the stages (PerRow): rows move (a gather of [B, D] hidden states and [B, W]
 page tables, small next to a layer) only when the rows still running fit a smaller bucket,
@@ -171,29 +173,41 @@ def _rows(tree, rows):
 
 @functools.partial(jax.named_call, name="model_step")
 def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
-               meta: AttentionMetadata, last_idx: jax.Array, thresholds: jax.Array,
-               cfg: ModelConfig, policy: Policy, attention: str = "reference"
-               ) -> tuple[StepResult, KVCache]:
-    """The one step. tokens: [B, T]; last_idx: [B] index in T of each row's sampled token;
-    thresholds: [B] f32 (policies with checks: T must be 1)."""
-    if not policy.has_checks:
-        return _full_depth(params, cache, tokens, meta, last_idx, cfg, attention)
+               meta: AttentionMetadata, thresholds: jax.Array, cfg: ModelConfig,
+               policy: Policy, attention: str = "reference",
+               block_tokens: jax.Array | None = None) -> tuple[StepResult, KVCache]:
+    """The one step. tokens: [B, 1], each row's token (the one whose logits are sampled);
+    block_tokens: [N] the rest of a prefill step's chunks in query blocks (`meta.has_blocks`);
+    thresholds: [B] f32 (policies with checks: decode, one token per row, no blocks)."""
+    if meta.has_blocks != (block_tokens is not None):
+        raise ValueError("block_tokens and meta's query blocks come together")
     if tokens.shape[1] != 1:
-        raise ValueError(f"exit policies decode one token per row, got T={tokens.shape[1]}; "
-                         f"prompt chunks run at full depth (StepShape.kind='prefill')")
+        raise ValueError(f"a step has one token per row (a prefill step packs the rest of "
+                         f"each chunk in query blocks), got T={tokens.shape[1]}")
+    if not policy.has_checks:
+        return _full_depth(params, cache, tokens, block_tokens, meta, cfg, attention)
+    if block_tokens is not None:
+        raise ValueError("exit policies decode one token per row; prompt chunks run at full "
+                         "depth (StepShape.kind='prefill')")
     return _with_checks(params, heads, cache, tokens, meta, thresholds, cfg, policy, attention)
 
 
-def _full_depth(params, cache, tokens, meta, last_idx, cfg: ModelConfig, attention: str):
+def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
+                cfg: ModelConfig, attention: str):
+    """Every layer on every token: [B, 1] rows, or [N + B] (blocks, then the rows' tokens)
+    on a ragged prefill step; the rows' tokens are sampled."""
     L, B = cfg.n_layers, tokens.shape[0]
 
     def body(i, carry):
         x, cache = carry
         return paged_layer(params, i, x, cache, meta, cfg, attention)
 
-    x = llama.embed(params, tokens, cfg)
+    if block_tokens is None:
+        x = llama.embed(params, tokens, cfg)  # [B, 1, D]
+    else:
+        x = llama.embed(params, jnp.concatenate([block_tokens, tokens[:, 0]]), cfg)  # [N+B, D]
     x, cache = jax.lax.fori_loop(0, L, body, (x, cache))
-    h = jnp.take_along_axis(x, last_idx[:, None, None], axis=1)[:, 0]  # [B, D]
+    h = x[:, 0] if block_tokens is None else x[x.shape[0] - B:]  # [B, D]
     logits = llama.final_head(params, h, cfg)
     active = meta.kv_lens > 0
     return StepResult(logits=logits, exit_layer=jnp.where(active, L, 0).astype(jnp.int32),
