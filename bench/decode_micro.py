@@ -1,13 +1,15 @@
 """Microbenchmarks behind the "where the time goes" notes in docs/benchmarks.md.
 
     python -m bench.decode_micro
+    python -m bench.decode_micro --weights --batches 1 2 8 32
 
 SmolLM2-135M shapes (30 layers, d=576, ffn 1536, 9/3 heads of 64), random f32 data, XLA on
 CPU; each figure is the best of a few runs of all 30 layers.
 
 1. Weight matvec/GEMM: x [B, 576] times 30 stacked [576, 1536] matrices, in the layouts a
-   decode step can use (input-major slices of a stacked array, as the engine does; output-major
-   slices, i.e. `x @ w.T`; unstacked arrays). Reported as weight GB/s.
+   decode step can use (input-major slices of a stacked array, as loaded; output-major slices,
+   `x @ w.T` and the serving layout's `quant.out_major_matmul`; unstacked arrays), as weight
+   GB/s; and the tied LM head [V, D] as `x @ E.T` and as `out_major_matmul` (ms).
 2. Decode attention (T = 1) over 30 layers: the engine's paged path (K/V scatter, page gather,
    `gqa_attention`) on a donated cache, the gather alone, `gqa_attention` on contiguous K/V,
    and torch's `scaled_dot_product_attention` on the same shapes for comparison.
@@ -40,6 +42,7 @@ import numpy as np
 
 from bench.common import best_time as best
 from bench.common import smollm2_shaped_config
+from ee_jax.models import quant
 
 CFG = smollm2_shaped_config()
 L, D, F, H, K, HD = (CFG.n_layers, CFG.d_model, CFG.ffn_dim, CFG.n_heads, CFG.n_kv_heads,
@@ -56,11 +59,20 @@ def weight_layouts(batches=(1, 2, 8, 32)) -> None:
     def loop(f):
         return lambda x, ws: jax.lax.fori_loop(0, L, lambda i, a: a + f(x, ws, i).sum(), 0.0)
 
+    def out_major(x, ws, i):  # the serving layout's product (quant.out_major_matmul)
+        return quant.out_major_matmul(x, ws[i])
+
     variants = {
-        "stacked [D,F], fori, x @ w[i] (engine)": (loop(lambda x, ws, i: x @ ws[i]), stacked),
+        "stacked [D,F], fori, x @ w[i] (loaded layout)": (loop(lambda x, ws, i: x @ ws[i]),
+                                                           stacked),
         "stacked [F,D], fori, x @ w[i].T": (loop(lambda x, ws, i: x @ ws[i].T), stacked_t),
+        "stacked [F,D], fori, out_major_matmul (serving layout)": (loop(out_major), stacked_t),
         "unstacked [D,F], x @ w": (lambda x, ws: sum((x @ v).sum() for v in ws), unstacked),
     }
+    E = jnp.asarray(rng.standard_normal((CFG.vocab_size, D), np.float32))  # tied head [V, D]
+    heads = {"x @ E.T": lambda x, E: jnp.matmul(x, E.T, preferred_element_type=jnp.float32),
+             "out_major_matmul (llama.unembed)": lambda x, E: quant.out_major_matmul(
+                 x, E, preferred_element_type=jnp.float32)}
     for B in batches:
         x = jnp.ones((B, D), jnp.float32)
         parts = []
@@ -68,6 +80,9 @@ def weight_layouts(batches=(1, 2, 8, 32)) -> None:
             t = best(jax.jit(f), x, ws)
             parts.append(f"{name} {nbytes / t / 1e9:.1f} GB/s")
         print(f"matmul B={B}: " + "; ".join(parts), flush=True)
+        parts = [f"{name} {1e3 * best(jax.jit(lambda x, E, f=f: f(x, E).sum()), x, E):.2f} ms"
+                 for name, f in heads.items()]
+        print(f"tied LM head B={B}: " + "; ".join(parts), flush=True)
 
 
 def attention(shapes=((1, 512), (8, 512), (32, 512), (32, 256))) -> None:
@@ -245,6 +260,7 @@ def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), layouts=("in",
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--step", action="store_true", help="only the whole-step comparison")
+    p.add_argument("--weights", action="store_true", help="only the weight layouts and head")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--attention", nargs="+", default=["xla", "xla_unblocked"])
     p.add_argument("--layouts", nargs="+", default=["in"], choices=["in", "out"])
@@ -254,6 +270,9 @@ def main(argv=None) -> int:
     if args.step:
         with _extra_backends():
             step(args.batches, args.attention, args.layouts, repeats=args.repeats)
+        return 0
+    if args.weights:
+        weight_layouts(args.batches)
         return 0
     weight_layouts()
     attention()

@@ -109,13 +109,15 @@ class OutMajor:
 _OUT_MAJOR_NN_ROWS = 64
 
 
-def _out_major_matmul(x: jax.Array, t: jax.Array) -> jax.Array:
-    """x [..., in] times w = t.T, for t [out, in], in the product the row count runs best."""
+def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) -> jax.Array:
+    """x [..., in] times w = t.T, for t [out, in] (an `OutMajor` weight, or the tied
+    embedding [V, D] as the LM head), in the product the row count runs best."""
     rows = math.prod(x.shape[:-1])
+    kw = dict(preferred_element_type=preferred_element_type)
     if rows == 1 or rows > _OUT_MAJOR_NN_ROWS:
-        return x @ jnp.swapaxes(t, -1, -2)
+        return jnp.matmul(x, jnp.swapaxes(t, -1, -2), **kw)
     xt = jax.lax.optimization_barrier(x.reshape(rows, x.shape[-1]).T)  # [in, rows]
-    y = jax.lax.optimization_barrier(t @ xt)  # [out, rows]
+    y = jax.lax.optimization_barrier(jnp.matmul(t, xt, **kw))  # [out, rows]
     return y.T.reshape(*x.shape[:-1], t.shape[-2])
 
 
@@ -124,7 +126,7 @@ def linear(x: jax.Array, w: jax.Array | QArray | OutMajor) -> jax.Array:
     [..., out] in x's dtype. int8: the dot accumulates in f32 and the scale multiplies the
     result."""
     if isinstance(w, OutMajor):
-        return _out_major_matmul(x, w.t)
+        return out_major_matmul(x, w.t)
     if isinstance(w, QArray):
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
