@@ -102,7 +102,7 @@ class OutMajor:
 # one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows reading the stacked
 # weight in place (about 2x x @ w on the input-major weight, whose layer slice XLA copies
 # first); up to _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left
-# operand; the barriers keep XLA from turning it back into x @ t.T, 20-30% slower there), as
+# operand; the barrier keeps XLA from turning it back into x @ t.T, 20-30% slower there), as
 # fast as x @ w within the noise (one matrix-vector loop per row was slower at 2 rows); above,
 # prompt-sized row counts (512+), x @ t.T again: equal to x @ w there, and the [out, rows]
 # result's transpose would cost more.
@@ -116,7 +116,7 @@ def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) ->
     kw = dict(preferred_element_type=preferred_element_type)
     if rows == 1 or rows > _OUT_MAJOR_NN_ROWS:
         return jnp.matmul(x, jnp.swapaxes(t, -1, -2), **kw)
-    xt = jax.lax.optimization_barrier(x.reshape(rows, x.shape[-1]).T)  # [in, rows]
+    xt = x.reshape(rows, x.shape[-1]).T  # [in, rows]
     y = jax.lax.optimization_barrier(jnp.matmul(t, xt, **kw))  # [out, rows]
     return y.T.reshape(*x.shape[:-1], t.shape[-2])
 
