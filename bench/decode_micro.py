@@ -9,7 +9,8 @@ CPU; each figure is the best of a few runs of all 30 layers.
 1. Weight matvec/GEMM: x [B, 576] times 30 stacked [576, 1536] matrices, in the layouts a
    decode step can use (input-major slices of a stacked array, as loaded; output-major slices,
    `x @ w.T` and the serving layout's `quant.out_major_matmul`; unstacked arrays), as weight
-   GB/s; and the tied LM head [V, D] as `x @ E.T` and as `out_major_matmul` (ms).
+   GB/s; and the tied LM head [V, D] as `x @ E.T` and as `out_major_matmul` (ms per call,
+   best wall and median CPU time, interleaved).
 2. Decode attention (T = 1) over 30 layers: the engine's paged path (K/V scatter, page gather,
    `gqa_attention`) on a donated cache, the gather alone, `gqa_attention` on contiguous K/V,
    and torch's `scaled_dot_product_attention` on the same shapes for comparison.
@@ -80,9 +81,28 @@ def weight_layouts(batches=(1, 2, 8, 32)) -> None:
             t = best(jax.jit(f), x, ws)
             parts.append(f"{name} {nbytes / t / 1e9:.1f} GB/s")
         print(f"matmul B={B}: " + "; ".join(parts), flush=True)
-        parts = [f"{name} {1e3 * best(jax.jit(lambda x, E, f=f: f(x, E).sum()), x, E):.2f} ms"
-                 for name, f in heads.items()]
+        fns = {name: jax.jit(lambda x, E, f=f: f(x, E).sum()) for name, f in heads.items()}
+        parts = [f"{name} {1e3 * w:.2f} ms (cpu {1e3 * c:.2f})"
+                 for name, (w, c) in _interleaved(fns, (x, E)).items()]
         print(f"tied LM head B={B}: " + "; ".join(parts), flush=True)
+
+
+def _interleaved(fns: dict, args: tuple, rounds: int = 7, calls: int = 5) -> dict:
+    """{name: (best wall s, median CPU s)} per call, the functions timed in turn each round
+    (steadier than back-to-back bests on a shared machine)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    wall: dict = {n: [] for n in fns}
+    cpu: dict = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            wall[name].append((time.perf_counter() - t0) / calls)
+            cpu[name].append((_cpu_seconds() - c0) / calls)
+    return {n: (min(wall[n]), statistics.median(cpu[n])) for n in fns}
 
 
 def attention(shapes=((1, 512), (8, 512), (32, 512), (32, 256))) -> None:
