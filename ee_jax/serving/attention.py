@@ -68,11 +68,17 @@ class AttentionMetadata:
 
     def blocks_view(self) -> AttentionMetadata:
         """The query blocks as rows of their own: [NB, Q] queries, each block with its row's
-        page table and kv_len (0 for padding blocks). Blocks of one row see each other's
-        keys through the cache, like any earlier key of the row."""
+        page table. Blocks of one row see each other's keys through the cache, like any
+        earlier key of the row. A block's kv_len is its causal bound, its last real token's
+        position + 1 (0 for padding blocks): no query of it sees a later key, and a backend
+        that stops at each row's kv_len (`attention_kernels.xla`) skips the keys no query of
+        the block can see."""
         rows = jnp.maximum(self.block_rows, 0)
+        row_lens = jnp.where(self.block_rows >= 0, self.kv_lens[rows], 0)  # [NB]
+        real = self.block_positions < row_lens[:, None]  # [NB, Q]
+        bound = jnp.max(jnp.where(real, self.block_positions, -1), axis=1) + 1
         return AttentionMetadata(self.block_positions, self.page_table[rows],
-                                 jnp.where(self.block_rows >= 0, self.kv_lens[rows], 0))
+                                 bound.astype(jnp.int32))
 
     @property
     def token_valid(self) -> jax.Array:  # [B, T], or [N + B] with blocks
