@@ -75,8 +75,23 @@ def tiny_setup(n: int):
     return LoadedModel(cfg, params, None, "tiny"), ec, heads, prompts
 
 
-def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int) -> dict:
-    """Full depth vs the exit engine (ec, heads) on `prompts` at max_num_seqs=batch."""
+def split_agreement(outs, refs, n_layers: int) -> tuple[float, float, int]:
+    """(TF agreement of the tokens that ran full depth, of the tokens that left early, number
+    of early tokens). A full-depth token can still differ from the reference: the tokens
+    before it that left early have back-filled keys and values in their skipped layers."""
+    full, early = [], []
+    for o, r in zip(outs, refs, strict=True):
+        for p, f, e in zip(o.predicted_token_ids[1:], r[1:], o.exit_layers[1:], strict=True):
+            (full if e >= n_layers else early).append(p == f)
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    return mean(full), mean(early), len(early)
+
+
+def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
+            overhead: bool = False) -> dict:
+    """Full depth vs the exit engine (ec, heads) on `prompts` at max_num_seqs=batch; with
+    `overhead`, also the exit engine at threshold 1.0 (every check runs, no row leaves: what
+    the checks and the exit loop cost at full depth)."""
     from ee_jax.serving.params import greedy
 
     L = model.config.n_layers
@@ -84,6 +99,9 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     full = make_llm(model, None, None, batch, max_len)
     refs = [o.token_ids for o in serve(full, prompts, greedy(new_tokens)).outputs]
     engines = {"full depth": full, "exits": make_llm(model, ec, heads, batch, max_len)}
+    if overhead:
+        engines["checks only"] = make_llm(model, dataclasses.replace(ec, threshold=1.0), heads,
+                                          batch, max_len)
     params = forced_params(refs)
     res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
     for name, llm in engines.items():  # warm-up: every program these sequences need
@@ -91,7 +109,7 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
         res[name]["compile"] = s.compile_time
     ratios = []
     for rep in range(repeats):
-        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # interleaved
         tps = {}
         for name in order:
             s = serve(engines[name], prompts, params)
@@ -103,20 +121,24 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             if name == "exits" and rep == 0:
                 ex = exit_summary(s.stats, model.config, ec)
                 r.update(mean=ex["mean_layers"], hist=ex["row_hist"], ideal=ex["ideal"],
-                         agree=agreement(s.outputs, refs))
+                         agree=agreement(s.outputs, refs),
+                         split=split_agreement(s.outputs, refs, L))
         ratios.append(tps["exits"] / tps["full depth"])
-        log(f"    round {rep + 1}: full {tps['full depth']:.1f} tok/s, exits "
-            f"{tps['exits']:.1f} tok/s ({ratios[-1]:.2f}x)")
+        log(f"    round {rep + 1}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tps.items())
+            + f" (exits/full {ratios[-1]:.2f}x)")
     for r in res.values():
         r["median"] = statistics.median(r["tps"])
     out = res["exits"]
+    checks = res.get("checks only", {}).get("median", float("nan"))
     return dict(full=res["full depth"]["median"], exits=out["median"],
+                checks_only=checks / res["full depth"]["median"],
                 ratio=out["median"] / res["full depth"]["median"], ratios=ratios,
                 contention=max(c for r in res.values() for c in r["contention"]),
                 compile={k: r["compile"] for k, r in res.items()},
                 compiles=sum(r.get("compiles", 0) for r in res.values()),
                 mean=out.get("mean", L), hist=out.get("hist", ""), ideal=out.get("ideal", 1.0),
-                agree=out.get("agree", 1.0), tokens=sum(map(len, refs)),
+                agree=out.get("agree", 1.0), split=out.get("split", (1.0, 1.0, 0)),
+                tokens=sum(map(len, refs)),
                 prompts=len(prompts))
 
 
@@ -131,18 +153,25 @@ def render(ctx) -> str:
            f"{ctx['repeats']} interleaved rounds after a warm-up pass. Method: the docstring "
            f"of `bench/shipped_exits.py`.", "",
            "| workload | batch, policy | tokens | full depth tok/s | exits tok/s | ratio "
-           "(rounds) | TF agreement | mean layers / row | ideal with head | max contention | "
-           "row exit histogram (layer:rows) |",
-           "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+           "(rounds) | checks only / full | TF agreement (full-depth tokens / early tokens) | "
+           "mean layers / row | ideal with head | max contention | row exit histogram "
+           "(layer:rows) |",
+           "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for (w, b, pol), r in ctx["rows"]:
         rounds = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        co = r["checks_only"]
+        checks = "-" if co != co else f"{co:.2f}x"
         out.append(f"| {w} | {b}, {pol} | {r['tokens']} | {r['full']:.1f} | {r['exits']:.1f} "
-                   f"| **{r['ratio']:.2f}x** ({rounds}) | {r['agree']:.3f} | {r['mean']:.2f} | "
+                   f"| **{r['ratio']:.2f}x** ({rounds}) | {checks} | "
+                   f"{r['agree']:.3f} ({r['split'][0]:.3f} / {r['split'][1]:.3f}) | "
+                   f"{r['mean']:.2f} | "
                    f"{r['ideal']:.3f}x | {100 * r['contention']:.0f}% | {r['hist']} |")
     out += ["", "Ratio: exits over full depth, decode tokens/s (the engines' own decode-step "
             "time), medians; the rounds' own ratios in brackets. TF agreement: the exit "
-            "engine's predicted token equals the forced full-depth token. Max contention: the "
-            "largest share of the CPU other processes used during any measured pass."]
+            "engine's predicted token equals the forced full-depth token. Checks only: the exit "
+            "engine at threshold 1.0 (every check runs, no row leaves) over full depth. Max "
+            "contention: the largest share of the CPU other processes used during any measured "
+            "pass."]
     return "\n".join(out) + "\n"
 
 
@@ -159,6 +188,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
                    help="batch:policy pairs (batch 8 uses 2 x 8 prompts)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="serve the heads at this threshold instead of their own")
+    p.add_argument("--overhead", action="store_true",
+                   help="also the exit engine at threshold 1.0 (checks run, no exit)")
     p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.shipped_exits section is (re)written")
@@ -183,6 +216,9 @@ def main(argv=None) -> int:
         else:
             ec, heads = model.shipped_exit_heads()
             what = f"heads shipped for {args.model}"
+    if args.threshold is not None:
+        ec = dataclasses.replace(ec, threshold=args.threshold)
+        what += f" (threshold set to {args.threshold} by --threshold)"
     what += (f": {ec.head} head, measure {ec.measure}, exits {ec.exit_layers[0]}-"
              f"{ec.exit_layers[-1]} ({len(ec.exit_layers)}), threshold {ec.threshold} "
              f"(target agreement {ec.target_agreement})")
@@ -196,7 +232,7 @@ def main(argv=None) -> int:
             prompts = tiny_prompts[:n] if args.tiny else workload_prompts(model, w, n)
             log(f"{w}: batch {b}, policy {pol}, {len(prompts)} prompts")
             r = compare(model, dataclasses.replace(ec, policy=pol), heads, prompts, b,
-                        args.new_tokens, args.repeats)
+                        args.new_tokens, args.repeats, args.overhead)
             ctx["rows"].append(((w, b, pol), r))
             log(f"  {w} batch {b} {pol}: {r['ratio']:.2f}x, TF {r['agree']:.3f}, mean layers "
                 f"{r['mean']:.2f}, ideal with head {r['ideal']:.3f}x")

@@ -10,6 +10,12 @@ full depth (greedy, cached as JSON lines); then every answer position is scored 
 the exit taken by the decision rule at a threshold, its token against full depth's (TF
 agreement), its executed layers, and the ideal speed-up (L + head) / (layers + checks + head)
 from `exits.cost_model`. Prompt positions do not count (they are not served tokens).
+
+What it does not see: a served token that left at layer e leaves back-filled keys and values in
+layers e+1..L (`docs/architecture.md`, "holes in the KV cache"), and the tokens after it attend
+to those. Here every context is full depth, so a token that runs every layer always agrees; as
+served it need not (`bench/shipped_exits.py` measures TF agreement through the engine, split
+into full-depth and early tokens). Read these figures as an upper bound on served agreement.
 """
 
 from __future__ import annotations
