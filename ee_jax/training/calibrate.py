@@ -117,8 +117,10 @@ def p_value(errors: int, n: int, eps: float) -> float:
 def p_value_clustered(cluster_errors, cluster_sizes, eps: float) -> float:
     """One-sided z-test of H: risk > eps for the ratio r = sum(errors) / sum(sizes) over k
     clusters, with the cluster-robust variance k / (k - 1) * sum((e_c - r n_c)^2) / N^2
-    (tokens within a cluster may be correlated; clusters are independent). With no error
-    anywhere the variance is 0 and the binomial test alone decides (returns 0)."""
+    (tokens within a cluster may be correlated; clusters are independent). A normal
+    approximation: asymptotic in the number of clusters. With no spread in the errors the
+    variance is 0 and the binomial test alone decides (returns 0 or 1 by r < eps); with
+    fewer than 2 clusters nothing can be said (returns 1)."""
     e = np.asarray(cluster_errors, float)
     m = np.asarray(cluster_sizes, float)
     k, total = len(m), m.sum()
