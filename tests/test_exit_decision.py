@@ -404,3 +404,49 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     save_exit_heads(tmp_path / "p", CFG, plain, exits.init_heads(CFG, plain, params))
     with pytest.raises(TuneConfigError, match="measure"):
         calibrate_heads(tc, model, tmp_path / "p", progress=False, calib=calib)
+
+
+def test_served_tables_count_what_the_engine_serves_one_request_at_a_time():
+    """`served_tables` (every answer x threshold in one per_row engine run, per-request
+    thresholds) against serving each (answer, threshold) alone at batch 1: the same errors
+    per answer, exits and mean layers; threshold NEVER gives no error and no exit."""
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.params import SamplingParams
+    from ee_jax.training.tune import served_tables
+
+    ec, heads = subset_heads(CFG, PARAMS)
+    model = LoadedModel(CFG, PARAMS, None, "tiny")
+    rng = np.random.default_rng(3)
+    full = LLM(model, early_exit=False, max_num_seqs=4, max_model_len=64, progress=False)
+    answers = {}
+    for g, n in (("a", 3), ("b", 2)):  # the model's own full-depth greedy answers
+        prompts = [rng.integers(3, CFG.vocab_size, int(rng.integers(4, 12))).tolist()
+                   for _ in range(n)]
+        outs = full.generate(prompts, [SamplingParams(temperature=0.0, ignore_eos=True,
+                                                      max_tokens=int(rng.integers(6, 14)))
+                                       for _ in prompts], use_tqdm=False)
+        answers[g] = [(p, list(o.token_ids)) for p, o in zip(prompts, outs, strict=True)]
+    grid = (exits.NEVER, 0.6, 0.3)
+    tables = served_tables(model, ec, heads, answers, grid, batch=4, progress=False)
+    alone = LLM(model, exit_config=dataclasses.replace(ec, policy="per_row"), exit_heads=heads,
+                max_num_seqs=1, max_model_len=64, progress=False)
+    for g, pairs in answers.items():
+        t = tables[g]
+        assert t.thresholds == tuple(sorted(grid, reverse=True))
+        assert t.cluster_sizes == tuple(len(a) - 1 for _, a in pairs)
+        for k, thr in enumerate(t.thresholds):
+            errs, exited, layers = [], 0, 0
+            for p, a in pairs:
+                o = alone.generate([p], SamplingParams(
+                    temperature=0.0, max_tokens=len(a), ignore_eos=True, forced_tokens=tuple(a),
+                    exit_threshold=thr), use_tqdm=False)[0]
+                errs.append(sum(x != y for x, y in zip(o.predicted_token_ids[1:], a[1:],
+                                                       strict=True)))
+                exited += sum(e < CFG.n_layers for e in o.exit_layers[1:])
+                layers += sum(o.exit_layers[1:])
+            assert t.cluster_errors[k] == tuple(errs) and t.errors[k] == sum(errs)
+            assert t.exited[k] == exited
+            assert t.mean_layers[k] == pytest.approx(layers / t.n)
+        assert t.errors[0] == 0 and t.exited[0] == 0  # NEVER: full depth, as served
+    assert tables["a"].exited[-1] > 0  # the low threshold really exits

@@ -180,9 +180,12 @@ def threshold_from_json(cal: dict, target_agreement: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ee_jax.training.calibrate --config PRESET [--heads DIR]`: re-pick the
-    threshold of saved heads on the preset's calibration answers (the heads stay as they are)."""
+    threshold of saved heads on the preset's calibration answers (the heads stay as they are).
+    With --served: measure served agreement instead (`tune.served_tables`), print the
+    per-group picks and write the tables to --out; the heads are not touched."""
     import argparse
     import json
+    from pathlib import Path
 
     from ee_jax.models.loading import load_model
     from ee_jax.training.tune import TuneConfig, calibrate_heads
@@ -191,9 +194,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--heads", help="heads folder (default: the preset's output)")
     ap.add_argument("--target-agreement", type=float)
+    ap.add_argument("--served", action="store_true",
+                    help="calibrate on served agreement (the engine, forced answers)")
+    ap.add_argument("--thresholds", type=float, nargs="+",
+                    default=[0.995, 0.99, 0.985, 0.98, 0.975, 0.97, 0.96])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", default="runs/served_calibration.json")
     a = ap.parse_args(argv)
     tc = TuneConfig.from_yaml(a.config, target_agreement=a.target_agreement)
     model = load_model(tc.model, dtype="float32", progress=False)
+    if a.served:
+        from ee_jax.models.exit_checkpoint import load_exit_heads
+        from ee_jax.training.tune import calibration_answers, served_tables
+
+        ec, heads = load_exit_heads(a.heads or tc.output, model.config)
+        tables = served_tables(model, ec, heads, calibration_answers(tc, model), a.thresholds,
+                               batch=a.batch)
+        picks = {g: pick_threshold(t, tc.target_agreement, tc.calib_delta)
+                 for g, t in tables.items()}
+        res = {"target_agreement": tc.target_agreement, "delta": tc.calib_delta,
+               "threshold": max(picks.values()), "picks": picks,
+               "groups": {g: t.to_json() for g, t in tables.items()}}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        for g, t in tables.items():
+            print(g, "n", t.n, " ".join(f"{th}:{e / t.n:.4f}/{m:.2f}" for th, e, m in
+                                       zip(t.thresholds, t.errors, t.mean_layers,
+                                           strict=True)))
+        print(json.dumps({k: res[k] for k in ("threshold", "picks", "target_agreement")}))
+        return 0
     cal = calibrate_heads(tc, model, a.heads or tc.output)
     print(json.dumps({"threshold": cal["threshold"], "target_agreement": cal["target_agreement"],
                       "delta": cal["delta"], "n": cal["n"],

@@ -236,10 +236,10 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
 CalibSet = dict[str, tuple[np.ndarray, np.ndarray]]  # group -> (rows [N, T], scored [N, T])
 
 
-def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
-    """The model's own answers to the "calib" split, packed per group ("instructions",
-    "code", "everyday"): {group: (rows [N, T], scored [N, T] bool)}; `scored` marks the
-    positions that predict an answer token (what serving emits), not the prompt's."""
+def calibration_answers(tc: TuneConfig, model, progress: bool = True
+                        ) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The model's own full-depth answers to the "calib" split, per group ("instructions",
+    "code", "everyday"): {group: [(prompt ids, answer ids)]}."""
     from ee_jax.training.selfgen import self_generate
 
     wanted = {"instructions": [("chat", s) for s in data.instructions(
@@ -252,25 +252,85 @@ def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
     if not wanted:
         return {}
     tok = model.tokenizer
-    sep = (model.config.eos_token_ids or (None,))[0]
     everything = [it for items in wanted.values() for it in items]
     gen = dict(zip(everything, self_generate(
         model, everything, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
         cache=Path(tc.work_dir) / "selfgen.jsonl", progress=progress), strict=True))
-    out: CalibSet = {}
+    out = {}
     for group, items in wanted.items():
-        seqs, masks = [], []
+        pairs = []
         for kind, text in items:
-            ids = gen[(kind, text)]
-            prompt = (tok.encode(tok.apply_chat_template(
+            ids = list(gen[(kind, text)])
+            prompt = list(tok.encode(tok.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True))
                 if kind == "chat" else tok.encode(text))
-            start = len(prompt) - 1 if list(ids[:len(prompt)]) == list(prompt) else 0
-            seqs.append(ids)
-            masks.append([int(start <= j < len(ids) - 1) for j in range(len(ids))])
+            n = len(prompt) if ids[:len(prompt)] == prompt else 1
+            pairs.append((ids[:n], ids[n:]))
+        out[group] = pairs
+    return out
+
+
+def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
+    """The calibration answers packed per group: {group: (rows [N, T], scored [N, T] bool)};
+    `scored` marks the positions that predict an answer token (what serving emits), not the
+    prompt's."""
+    sep = (model.config.eos_token_ids or (None,))[0]
+    out: CalibSet = {}
+    for group, pairs in calibration_answers(tc, model, progress).items():
+        seqs = [p + a for p, a in pairs]
+        masks = [[int(len(p) - 1 <= j < len(p) + len(a) - 1) for j in range(len(p) + len(a))]
+                 for p, a in pairs]
         out[group] = (data.pack(seqs, tc.seq_len, sep),
                       data.pack(masks, tc.seq_len, None if sep is None else 0).astype(bool))
     return out
+
+
+def served_tables(model, ec: exits.ExitConfig, heads, answers, thresholds, *,
+                  batch: int = 32, progress: bool = True) -> dict:
+    """Calibration tables of served agreement: every answer decoded by the engine with its
+    full-depth tokens forced (`SamplingParams.forced_tokens`) once per threshold (a
+    per-request `exit_threshold`; policy per_row and no mixed steps, so each row decides
+    alone at every token, as at batch 1), an error where the engine's own token differs.
+    Unlike the dense tables this counts what back-filled K/V does to later tokens.
+    answers: {group: [(prompt, answer)]} -> {group: CalibrationTable} (clusters: answers)."""
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.params import SamplingParams
+    from ee_jax.training import calibrate
+
+    L = model.config.n_layers
+    grid = tuple(sorted((float(t) for t in thresholds), reverse=True))
+    jobs = [(g, i, t) for g, pairs in answers.items() for i, (_, a) in enumerate(pairs)
+            if len(a) > 1 for t in grid]
+    longest = max(len(p) + len(a) for pairs in answers.values() for p, a in pairs)
+    llm = LLM(model, exit_config=dataclasses.replace(ec, policy="per_row"), exit_heads=heads,
+              max_num_seqs=batch, max_model_len=-(-(longest + 16) // 16) * 16,
+              max_num_batched_tokens=4096, max_prefill_chunk=512, mixed_steps=False,
+              progress=False)  # no decode rows inside prefill steps (those run full depth)
+    prompts = [answers[g][i][0] for g, i, _ in jobs]
+    params = [SamplingParams(temperature=0.0, max_tokens=len(answers[g][i][1]),
+                             ignore_eos=True, forced_tokens=tuple(answers[g][i][1]),
+                             exit_threshold=t) for g, i, t in jobs]
+    outs = llm.generate(prompts, params, use_tqdm=progress)
+    acc: dict = {}
+    for (g, i, t), o in zip(jobs, outs, strict=True):
+        if o.error is not None:
+            raise EEJaxError(f"served calibration of {g} answer {i} failed: {o.error}")
+        ref = answers[g][i][1]
+        wrong = [p != f for p, f in zip(o.predicted_token_ids[1:], ref[1:], strict=True)]
+        layers = o.exit_layers[1:]  # [0]: the prefill's token, at full depth
+        acc.setdefault(g, {}).setdefault(t, {})[i] = (
+            sum(wrong), len(wrong), sum(e < L for e in layers), sum(layers))
+    tables = {}
+    for g, by_t in acc.items():
+        items = sorted(by_t[grid[0]])
+        sizes = tuple(by_t[grid[0]][i][1] for i in items)
+        n = sum(sizes)
+        tables[g] = calibrate.CalibrationTable(
+            grid, tuple(sum(by_t[t][i][0] for i in items) for t in grid),
+            tuple(sum(by_t[t][i][2] for i in items) for t in grid),
+            tuple(sum(by_t[t][i][3] for i in items) / n for t in grid), n, sizes,
+            tuple(tuple(by_t[t][i][0] for i in items) for t in grid))
+    return tables
 
 
 def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True,
