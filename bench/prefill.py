@@ -5,10 +5,12 @@
 Engine knobs as bench/serving.py's (max_num_seqs 32, max_model_len 1024, pages of 16, a
 token budget of 512 per row), so its "ee-jax prefill s" column is what this measures alone,
 without transformers beside it. Per batch: a warm-up call (compiles, reported apart), then
-`--reps` calls; the figure is the median of the engine's own prefill seconds
-(`EngineStats.prefill_time`) per call, and the token slots the steps' shapes computed beside
-the real prompt tokens. Contention (other processes' CPU share during the calls) is printed:
-on a shared machine compare runs made side by side, never with a quiet run.
+`--reps` calls; the figures are the median of the engine's own prefill seconds
+(`EngineStats.prefill_time`) per call, the process's CPU seconds per call (on a loaded
+machine a steadier measure of the work than wall time), and the token slots the steps'
+shapes computed beside the real prompt tokens. Contention (other processes' CPU share during
+the calls) is printed: on a shared machine compare runs made side by side, never with a
+quiet run.
 
 `--attention-share` (ragged prefill only): the step's attention alone (every layer's K/V
 write and both backend calls at the step's metadata, random q/k/v), timed against the
@@ -18,11 +20,19 @@ whole step on the same inputs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
 from bench.common import Meter, humaneval_prompts, load_f32, log
+
+
+def _cpu() -> float:
+    """CPU seconds this process used (all threads): the work a call did, which other
+    processes' load inflates far less than its wall time."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _shapes_of(engine):
@@ -112,12 +122,14 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         llm.generate(batch, params, use_tqdm=False)
         log(f"batch {b}: warm-up (compiles) {time.perf_counter() - t:.1f} s")
-        times = []
+        times, cpus = [], []
         with Meter() as meter:
             for _ in range(args.reps):
                 seen.clear()
                 before = engine.stats.snapshot()
+                c0 = _cpu()
                 llm.generate(batch, params, use_tqdm=False)
+                cpus.append(_cpu() - c0)
                 s = engine.stats.since(before)
                 if s.num_compiles:
                     log(f"batch {b}: a measured call compiled {s.num_compiles} programs")
@@ -128,7 +140,9 @@ def main(argv=None) -> int:
         shapes = ", ".join(f"{x.shape.batch}x{x.shape.tokens}x{x.shape.pages}" for x in seen)
         print(f"batch {b}: prompts {min(map(len, batch))}-{max(map(len, batch))} tokens, "
               f"{real} real; prefill s median {statistics.median(times):.3f} "
-              f"(all: {', '.join(f'{x:.3f}' for x in times)}); steps {len(seen)} "
+              f"(all: {', '.join(f'{x:.3f}' for x in times)}); process CPU s per call median "
+              f"{statistics.median(cpus):.2f} (all: {', '.join(f'{x:.2f}' for x in cpus)}); "
+              f"steps {len(seen)} "
               f"[{shapes}]; computed token slots {slots} ({slots / real:.2f}x real); "
               f"contention {meter.contention:.0%}", flush=True)
         if args.attention_share:

@@ -327,8 +327,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "pallas_tpu")
     d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch step n+1 before reading step n's tokens (default on)")
-    d.add_argument("--mixed-steps", action="store_true",
-                   help="decode rows join prefill steps (at full depth) instead of waiting")
+    d.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode rows join prefill steps (at full depth) instead of waiting "
+                   "(default on; --no-mixed-steps: decode rows wait for separate steps)")
     d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",
                    help="compile every step shape the engine can meet before serving")
     d.add_argument("--coordinator", default=None, help="several hosts: the coordinator's "

@@ -69,8 +69,8 @@ def test_cache_after_prefill_equals_dense_kv(chunk):
     """After the prompt steps, every layer's cache holds the dense K/V at every position
     (chunk 32: the long prompts take several steps, later chunks start mid-sequence)."""
     engine = make_engine(max_prefill_chunk=chunk, async_scheduling=False)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, greedy(3))
+    for i, p in enumerate(PROMPTS):  # short prompts decode (mixed steps) while long ones
+        engine.add_request(f"r{i}", p, greedy(40))  # still prefill: none finishes first
     seqs = [engine._requests[f"r{i}"] for i in range(len(PROMPTS))]
     while any(s.num_computed < len(s.prompt_token_ids) for s in seqs):
         engine.step()
@@ -166,7 +166,7 @@ def test_step_shapes_count_and_budget_bound():
     tokens than the budget can fill (plus one block of padding per row)."""
     cfg = SchedulerConfig()
     shapes = cfg.step_shapes()
-    assert len(shapes) <= 450
+    assert len(shapes) <= 480  # 471 with ragged prefill; 666 with rows padded to a chunk
     for s in shapes:
         if s.kind == "prefill":
             most = -(-cfg.max_num_batched_tokens // Q) + s.batch  # blocks, generously

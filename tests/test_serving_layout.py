@@ -82,8 +82,11 @@ def test_sharding_axes_of_out_major_weights():
 
 
 def _engine(params, exit_config=None) -> LLMEngine:
+    # mixed_steps off: every decode token runs a decode step, under the exit policy (a decode
+    # row riding in a prefill step runs at full depth)
     cfg = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=4, num_pages=80,
-                       max_prefill_chunk=16, max_num_batched_tokens=64, batch_buckets=(1, 2, 4))
+                       max_prefill_chunk=16, max_num_batched_tokens=64, batch_buckets=(1, 2, 4),
+                       mixed_steps=False)
     return LLMEngine(CFG, params, None, cfg, exit_config)
 
 

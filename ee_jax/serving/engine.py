@@ -87,7 +87,7 @@ class EngineConfig:
     # Launch step n+1 before reading step n's tokens (the host never waits for the device).
     async_scheduling: bool = True
     # Decode rows join prefill steps (at full depth) instead of waiting for them.
-    mixed_steps: bool = False
+    mixed_steps: bool = True
     # Attention backend (ee_jax.serving.attention_kernels): "auto" = the Pallas kernels on
     # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
     attention: str = "auto"

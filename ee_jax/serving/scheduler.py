@@ -79,8 +79,9 @@ class SchedulerConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     min_page_bucket: int = 4
     # Decode rows ride along in a prefill step (at full depth, one token each, within the
-    # token budget), so a running request never waits behind a long prompt.
-    mixed_steps: bool = False
+    # token budget), so a running request never waits behind a long prompt. With ragged
+    # prefill a decode row costs one token of the step, not a padded chunk.
+    mixed_steps: bool = True
 
     def __post_init__(self):
         if self.max_prefill_chunk & (self.max_prefill_chunk - 1):
@@ -101,8 +102,13 @@ class SchedulerConfig:
 
     def prefill_tokens(self, blocks: int) -> int:
         """N of a prefill step whose rows take `blocks` query blocks: the blocks' bucket in
-        tokens (at least one block, so that every prefill step has the same layout)."""
-        return QUERY_BLOCK * _next_bucket(max(1, blocks))
+        tokens (at least one block, so that every prefill step has the same layout). Above
+        1,024 tokens the buckets are a quarter octave apart (`_fine_bucket`): padding there
+        is most of a step's waste, and few batch and page buckets reach it."""
+        blocks = max(1, blocks)
+        if blocks * QUERY_BLOCK > 1024:
+            return QUERY_BLOCK * _fine_bucket(blocks)
+        return QUERY_BLOCK * _next_bucket(blocks)
 
     def page_bucket(self, num_tokens: int, kind: str = "decode") -> int:
         """Page-table width of a step whose furthest row ends at `num_tokens`. Prefill steps
@@ -160,6 +166,14 @@ def _next_bucket(n: int) -> int:
     """
     p = 1 << max(0, (n - 1).bit_length())
     return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
+
+
+def _fine_bucket(n: int) -> int:
+    """Smallest of p, 1.25p, 1.5p, 1.75p (p a power of two) >= n: at most a fifth padding."""
+    if n <= 4:
+        return n
+    p = 1 << ((n - 1).bit_length() - 1)  # the largest power of two below n
+    return next(p * m // 4 for m in (5, 6, 7, 8) if p * m // 4 >= n)
 
 
 @dataclasses.dataclass
