@@ -450,3 +450,55 @@ def test_served_tables_count_what_the_engine_serves_one_request_at_a_time():
             assert t.mean_layers[k] == pytest.approx(layers / t.n)
         assert t.errors[0] == 0 and t.exited[0] == 0  # NEVER: full depth, as served
     assert tables["a"].exited[-1] > 0  # the low threshold really exits
+
+
+def test_shipping_a_served_calibration_sets_the_default_threshold_and_says_how(tmp_path):
+    """`served_calibration` + `ship_calibration`: groups built so that group g certifies the
+    lowest grid point above bad_g at target 0.9 (as in the group-rule test above) become the
+    heads' calibration.json; the heads then load at the highest of those picks by default,
+    the file names the rule, target, confidence and per-group picks, the dense tables it
+    replaced stay under "previous" (once, however often it is shipped), and the heads'
+    arrays are untouched."""
+    import json
+
+    rng = np.random.default_rng(0)
+    grid = tuple(np.round(np.arange(0.99, 0.5, -0.01), 2))
+    bads = {"instructions": 0.62, "code": 0.7, "everyday": 0.655}
+    tables = {}
+    for g, bad in bads.items():
+        n = 500
+        conf = np.concatenate([np.full(n, bad), rng.uniform(bad + 1e-3, 1.0, n)])
+        agree = np.concatenate([np.zeros(n, bool), np.ones(n, bool)])
+        tables[g] = calibrate.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
+    want = {g: min(t for t in grid if t > bad) for g, bad in bads.items()}  # 0.63 0.71 0.66
+
+    ec, heads = subset_heads(CFG, PARAMS)
+    dense = {"delta": 0.1, "target_agreement": 0.9, "threshold": 0.5,
+             "groups": {g: t.to_json() for g, t in tables.items()}}
+    save_exit_heads(tmp_path / "h", CFG, ec, heads, calibration=dense)
+    cal = calibrate.served_calibration(tables, 0.9, 0.1, command="made here")
+    assert cal["picks"] == want and cal["threshold"] == 0.71
+    calibrate.ship_calibration(tmp_path / "h", cal)
+    calibrate.ship_calibration(tmp_path / "h", cal)  # again: "previous" is not nested
+
+    ec2, back = load_exit_heads(tmp_path / "h", CFG)
+    assert (ec2.threshold, ec2.target_agreement) == (0.71, 0.9)
+    assert dataclasses.replace(ec2, threshold=ec.threshold,
+                               target_agreement=ec.target_agreement) == ec
+    for a, b in zip(jax.tree.leaves(heads), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    shipped = json.loads((tmp_path / "h" / "calibration.json").read_text())
+    assert shipped["measure"] == "served" and "served" in shipped["rule"]
+    assert (shipped["confidence"], shipped["command"]) == (0.9, "made here")
+    assert shipped["picks"] == want
+    assert shipped["previous"] == json.loads(json.dumps({"measure": "dense", **dense}))
+    # another target re-picks from the served tables with the same rule
+    ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.6)
+    assert ec3.threshold == calibrate.pick_threshold_groups(tables, 0.6, 0.1)
+    # bad input: a threshold the tables do not certify, a folder without heads, a bad target
+    with pytest.raises(ValueError, match="not what its tables certify"):
+        calibrate.ship_calibration(tmp_path / "h", dict(cal, threshold=0.63))
+    with pytest.raises(exits.ExitConfigError, match="no exit heads"):
+        calibrate.ship_calibration(tmp_path / "none", cal)
+    with pytest.raises(exits.ExitConfigError, match="target agreement"):
+        calibrate.served_calibration(tables, 1.5)

@@ -178,16 +178,72 @@ def threshold_from_json(cal: dict, target_agreement: float) -> float:
     return pick_threshold(CalibrationTable.from_json(cal), target_agreement, delta)
 
 
+SERVED_RULE = ("served: per group (instructions, code, everyday chat), Learn-then-Test on "
+               "the engine's own errors with each calibration answer's full-depth tokens "
+               "forced (back-filled K/V included; binomial and cluster-robust tests, the "
+               "larger p-value); the threshold is the highest of the groups' picks")
+
+
+def served_calibration(tables: Mapping[str, CalibrationTable], target_agreement: float,
+                       delta: float = DEFAULT_DELTA, command: str | None = None) -> dict:
+    """A calibration.json for served tables (`tune.served_tables`): the rule, the target, the
+    per-group picks and the tables, read back by `threshold_from_json` like the dense ones
+    (the threshold is the groups' highest, `pick_threshold_groups`)."""
+    check_target(target_agreement, delta)
+    picks = {g: pick_threshold(t, target_agreement, delta) for g, t in tables.items()}
+    res = {"rule": SERVED_RULE, "measure": "served", "target_agreement": target_agreement,
+           "delta": delta, "confidence": 1.0 - delta,
+           "threshold": pick_threshold_groups(tables, target_agreement, delta),
+           "picks": picks, "groups": {g: t.to_json() for g, t in tables.items()}}
+    if command is not None:
+        res["command"] = command
+    return res
+
+
+def ship_calibration(heads_dir, cal: dict) -> None:
+    """Make `cal` the shipped calibration of the heads in `heads_dir`: calibration.json
+    becomes `cal` (the tables it replaces kept under "previous" when they were dense), and
+    exit_config.json's threshold and target agreement become `cal`'s, so `load_exit_heads`
+    serves them by default. The heads' arrays are not touched."""
+    import json
+    from pathlib import Path
+
+    from ee_jax.models.exit_checkpoint import CALIBRATION, CONFIG
+
+    heads_dir = Path(heads_dir)
+    if not (heads_dir / CONFIG).is_file():
+        raise exits.ExitConfigError(f"{heads_dir} holds no exit heads ({CONFIG} missing)")
+    if threshold_from_json(cal, cal["target_agreement"]) != cal["threshold"]:
+        raise ValueError(f"calibration threshold {cal['threshold']} is not what its tables "
+                         f"certify for target {cal['target_agreement']}")
+    out = dict(cal)
+    old_path = heads_dir / CALIBRATION
+    if old_path.is_file():
+        old = json.loads(old_path.read_text())  # the dense tables stay, for reference
+        prev = ({"measure": "dense", **old} if old.get("measure", "dense") == "dense"
+                else old.get("previous"))
+        if prev:
+            out["previous"] = prev
+    old_path.write_text(json.dumps(out, indent=1) + "\n")
+    meta = json.loads((heads_dir / CONFIG).read_text())
+    meta["exit_config"]["threshold"] = cal["threshold"]
+    meta["exit_config"]["target_agreement"] = cal["target_agreement"]
+    (heads_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ee_jax.training.calibrate --config PRESET [--heads DIR]`: re-pick the
     threshold of saved heads on the preset's calibration answers (the heads stay as they are).
     With --served: measure served agreement instead (`tune.served_tables`), print the
-    per-group picks and write the tables to --out; the heads are not touched."""
+    per-group picks and write the tables to --out (with --tables: re-pick from served tables
+    already written, no decoding); with --ship also make that pick the heads' shipped
+    threshold and calibration.json (`ship_calibration`; the heads' arrays untouched)."""
     import argparse
     import json
+    import shlex
+    import sys
     from pathlib import Path
 
-    from ee_jax.models.loading import load_model
     from ee_jax.training.tune import TuneConfig, calibrate_heads
 
     ap = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
@@ -200,30 +256,48 @@ def main(argv: list[str] | None = None) -> int:
                     default=[0.995, 0.99, 0.985, 0.98, 0.975, 0.97, 0.96])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", default="runs/served_calibration.json")
+    ap.add_argument("--tables", help="with --served: served tables written before (an --out "
+                                     "file); re-pick from them instead of decoding")
+    ap.add_argument("--ship", action="store_true",
+                    help="with --served: write the pick into the heads folder (calibration.json "
+                         "and exit_config.json's threshold)")
     a = ap.parse_args(argv)
+    if (a.tables or a.ship) and not a.served:
+        ap.error("--tables and --ship go with --served")
     tc = TuneConfig.from_yaml(a.config, target_agreement=a.target_agreement)
-    model = load_model(tc.model, dtype="float32", progress=False)
+    heads_dir = a.heads or tc.output
     if a.served:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-        from ee_jax.training.tune import calibration_answers, served_tables
+        command = "python -m ee_jax.training.calibrate " + shlex.join(
+            sys.argv[1:] if argv is None else argv)
+        if a.tables:
+            saved = json.loads(Path(a.tables).read_text())
+            tables = {g: CalibrationTable.from_json(t) for g, t in saved["groups"].items()}
+            command += f" (tables made by: {saved.get('command', 'unrecorded')})"
+        else:
+            from ee_jax.models.exit_checkpoint import load_exit_heads
+            from ee_jax.models.loading import load_model
+            from ee_jax.training.tune import calibration_answers, served_tables
 
-        ec, heads = load_exit_heads(a.heads or tc.output, model.config)
-        tables = served_tables(model, ec, heads, calibration_answers(tc, model), a.thresholds,
-                               batch=a.batch)
-        picks = {g: pick_threshold(t, tc.target_agreement, tc.calib_delta)
-                 for g, t in tables.items()}
-        res = {"target_agreement": tc.target_agreement, "delta": tc.calib_delta,
-               "threshold": max(picks.values()), "picks": picks,
-               "groups": {g: t.to_json() for g, t in tables.items()}}
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+            model = load_model(tc.model, dtype="float32", progress=False)
+            ec, heads = load_exit_heads(heads_dir, model.config)
+            tables = served_tables(model, ec, heads, calibration_answers(tc, model),
+                                   a.thresholds, batch=a.batch)
+        res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command)
+        if not a.tables:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        if a.ship:
+            ship_calibration(heads_dir, res)
         for g, t in tables.items():
             print(g, "n", t.n, " ".join(f"{th}:{e / t.n:.4f}/{m:.2f}" for th, e, m in
                                        zip(t.thresholds, t.errors, t.mean_layers,
                                            strict=True)))
         print(json.dumps({k: res[k] for k in ("threshold", "picks", "target_agreement")}))
         return 0
-    cal = calibrate_heads(tc, model, a.heads or tc.output)
+    from ee_jax.models.loading import load_model
+
+    model = load_model(tc.model, dtype="float32", progress=False)
+    cal = calibrate_heads(tc, model, heads_dir)
     print(json.dumps({"threshold": cal["threshold"], "target_agreement": cal["target_agreement"],
                       "delta": cal["delta"], "n": cal["n"],
                       "groups": {k: {"n": g["n"], "threshold": g["threshold"]}
