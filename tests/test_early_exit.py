@@ -42,7 +42,7 @@ _ids = itertools.count()
 
 def engine_config(**kw) -> EngineConfig:
     # page_size 16 with max_model_len 64: 4 pages per sequence, so a single page bucket;
-    # prompts of 17..32 tokens share the prefill bucket of 32: few programs to compile.
+    # prompts pack into a few packed-token buckets (query blocks of 32): few programs.
     # Blocking steps: these tests read each step's output and the cache after it (overlapped
     # steps give the same tokens: tests/test_engine.py::test_overlapped_engine_equals_...).
     base = dict(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
