@@ -172,6 +172,15 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(out: Path, res: dict) -> int:
+    """results.json and results.md of one evaluation (or re-simulation) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "results.md").write_text(to_markdown(res))
+    _log(f"wrote {out / 'results.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", required=True, help="folder of the exit heads to evaluate")
@@ -208,12 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                    note=f"Re-simulated from the per-exit predictions of `{old['command']}` "
                         f"({old['date']}; the same heads, so the same confidences): only the "
                         f"thresholds are new. The baseline rows are that run's.")
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-        (out / "results.md").write_text(to_markdown(res))
-        _log(f"wrote {out / 'results.md'}")
-        return 0
+        return _write(Path(a.out), res)
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
 
@@ -239,12 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                "ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:]),
                heads=str(a.heads), calibrated_threshold=ec.threshold,
                target_agreement=ec.target_agreement)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "results.md").write_text(to_markdown(res))
-    _log(f"wrote {out / 'results.md'}")
-    return 0
+    return _write(Path(a.out), res)
 
 
 if __name__ == "__main__":
