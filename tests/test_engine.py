@@ -269,19 +269,45 @@ def test_precompile_covers_every_shape_a_run_meets():
     assert compiles == []
 
 
-@settings(max_examples=40, deadline=None)
+# Prefill shape policies: the default (rows padded to one per 64 packed tokens, one page-table
+# width), every batch bucket with power-of-two widths (the policy before it), and odd ones.
+PREFILL_POLICIES = [{}, dict(prefill_row_tokens=None, prefill_page_buckets=(4, 8, 16, 32, 64)),
+                    dict(prefill_row_tokens=1, prefill_page_buckets=(1, 3, 50)),
+                    dict(prefill_row_tokens=40)]
+
+
+@settings(max_examples=60, deadline=None)
 @given(seqs=st.integers(1, 9), model_len=st.integers(8, 200), page=st.sampled_from([1, 4, 16]),
-       chunk=st.sampled_from([1, 4, 16, 32, 64]), budget=st.integers(1, 100))
-def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chunk, budget):
-    _check_step_shapes(seqs, model_len, page, chunk, budget)
+       chunk=st.sampled_from([1, 4, 16, 32, 64]), budget=st.integers(1, 100),
+       policy=st.sampled_from(range(len(PREFILL_POLICIES))))
+def test_step_shapes_are_exactly_the_reachable_shapes(seqs, model_len, page, chunk, budget,
+                                                      policy):
+    _check_step_shapes(seqs, model_len, page, chunk, budget, **PREFILL_POLICIES[policy])
 
 
-def test_step_shapes_exact_with_packed_steps_over_1024_tokens():
+@pytest.mark.parametrize("policy", PREFILL_POLICIES[:2])
+def test_step_shapes_exact_with_packed_steps_over_1024_tokens(policy):
     """Large budgets: packed steps past 1,024 tokens take the finer buckets."""
-    _check_step_shapes(seqs=3, model_len=520, page=16, chunk=512, budget=1400)
+    _check_step_shapes(seqs=3, model_len=520, page=16, chunk=512, budget=1400, **policy)
 
 
-def _check_step_shapes(seqs, model_len, page, chunk, budget):
+def test_default_prefill_shapes_are_few():
+    """The default config's prefill steps take one page-table width and a batch bucket of at
+    least one row per 64 packed tokens: 46 programs (405 with every batch bucket and
+    power-of-two widths), each prefill step padded by at most ~8% of its tokens in rows."""
+    from ee_jax.serving.scheduler import SchedulerConfig
+
+    cfg = SchedulerConfig()
+    prefill = cfg.step_shapes(("prefill",))
+    assert {s.pages for s in prefill} == {cfg.pages_per_seq}
+    assert all(s.batch >= min(32, s.tokens // 64) for s in prefill)
+    assert len(prefill) == 46
+    assert len(cfg.step_shapes(("decode",))) == 66
+    old = SchedulerConfig(prefill_row_tokens=None, prefill_page_buckets=(4, 8, 16, 32, 64))
+    assert len(old.step_shapes(("prefill",))) == 405
+
+
+def _check_step_shapes(seqs, model_len, page, chunk, budget, **policy):
     """`step_shapes` (what precompile compiles) equals a brute-force walk over every batch the
     scheduler can form: r rows, each with some query blocks (a chunk of n tokens takes
     ceil((n - 1) / QUERY_BLOCK); the fewest tokens for b >= 1 blocks are (b - 1) Q + 2, and
@@ -292,7 +318,7 @@ def _check_step_shapes(seqs, model_len, page, chunk, budget):
 
     cfg = SchedulerConfig(max_num_seqs=seqs, max_model_len=model_len, page_size=page,
                           max_prefill_chunk=chunk, max_num_batched_tokens=budget,
-                          batch_buckets=(1, 2, 4, 8, 16))
+                          batch_buckets=(1, 2, 4, 8, 16), **policy)
     want = {StepShape(cfg.batch_bucket(r), 1, cfg.page_bucket(end), kind="decode")
             for r in range(1, seqs + 1) for end in range(1, model_len + 1)}
     longest_chunk = min(chunk, budget)
@@ -307,7 +333,8 @@ def _check_step_shapes(seqs, model_len, page, chunk, budget):
             assert all(query_blocks(x) == b for x, b in zip(n, blocks, strict=True))
             if sum(n) > budget or max(n) > longest_chunk:
                 continue
-            want |= {StepShape(cfg.batch_bucket(r), cfg.prefill_tokens(sum(blocks)),
+            tokens = cfg.prefill_tokens(sum(blocks))
+            want |= {StepShape(cfg.prefill_batch(r, tokens), tokens,
                                cfg.page_bucket(end, "prefill"), kind="prefill")
                      for end in range(max(n), model_len + 1)}
     assert set(cfg.step_shapes()) == want

@@ -26,14 +26,9 @@ from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
+from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
-from ee_jax.serving.model_runner import (
-    QUERY_BLOCK,
-    ModelRunner,
-    StepBatch,
-    query_blocks,
-    unpack_results,
-)
+from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
 from ee_jax.serving.params import (
     InvalidRequestError,
     RequestMetrics,
@@ -42,8 +37,6 @@ from ee_jax.serving.params import (
 )
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
 from ee_jax.serving.sharding import MeshSpec
-
-PENDING = -1  # a sampled token the host has not read yet (overlapped steps)
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -84,6 +77,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Prefill and mixed steps' shapes (SchedulerConfig): rows padded to at least one per
+    # prefill_row_tokens packed tokens, page tables of these widths (None: pages_per_seq).
+    prefill_row_tokens: int | None = 64
+    prefill_page_buckets: tuple[int, ...] | None = None
     # Launch step n+1 before reading step n's tokens (the host never waits for the device).
     async_scheduling: bool = True
     # Decode rows join prefill steps (at full depth) instead of waiting for them.
@@ -103,7 +100,8 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets,
-            mixed_steps=self.mixed_steps)
+            prefill_row_tokens=self.prefill_row_tokens,
+            prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps)
 
 
 @dataclasses.dataclass
@@ -238,6 +236,9 @@ class LLMEngine:
             enable_compilation_cache(config.compilation_cache_dir)
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
+        # the running requests' step inputs, kept across steps (architecture.md section 3)
+        self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
+                                      exit_config.threshold if exit_config else np.inf)
         self.exit_config = exit_config
         mesh = cache_sharding = None
         if config.mesh:
@@ -325,6 +326,7 @@ class LLMEngine:
         seq.finish_reason = "abort"
         seq.metrics.finish_time = time.perf_counter()
         self.scheduler.release(seq)
+        self.input_batch.remove(seq.seq_id)
         return self._output(seq, "")
 
     def has_unfinished_requests(self) -> bool:
@@ -419,40 +421,11 @@ class LLMEngine:
         return self._process(launched, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:
-        """Each row's last token in its own slot; the rest of its chunk in query blocks on
-        the packed token axis (prefill steps; architecture.md section 5)."""
-        b = StepBatch.empty(schedule.shape)
-        W = schedule.shape.pages
-        default_threshold = self.exit_config.threshold if self.exit_config else np.inf
-        off = 0  # next free query block
-        for r, row in enumerate(schedule.rows):
-            seq, n, start = row.seq, row.num_tokens, row.start
-            toks = seq.tokens(start, start + n)
-            if n == 1 and toks[0] == PENDING:
-                b.src_row[r] = seq.inflight_row  # still on the device: the step reads it there
-                toks = [0]
-            b.tokens[r, 0] = toks[-1]
-            b.positions[r, 0] = start + n - 1
-            if n > 1:  # the rest in query blocks; a block's tail is padding beyond kv_len
-                nb = query_blocks(n)
-                lo, hi = off * QUERY_BLOCK, (off + nb) * QUERY_BLOCK
-                b.block_tokens[lo:lo + n - 1] = toks[:-1]
-                b.block_positions[lo:hi] = start + n  # padding: never written or read
-                b.block_positions[lo:lo + n - 1] = np.arange(start, start + n - 1)
-                b.block_rows[off:off + nb] = r
-                off += nb
-            table = self.blocks.page_table(seq.seq_id)[:W]
-            b.page_table[r, :len(table)] = table
-            b.kv_lens[r] = start + n
-            b.seeds[r] = seq.seed
-            b.sample_idx[r] = len(seq.output_token_ids)
-            p = seq.params
-            b.temperature[r] = p.temperature
-            b.top_k[r] = p.top_k
-            b.top_p[r] = p.top_p
-            b.threshold[r] = (p.exit_threshold if p.exit_threshold is not None
-                              else default_threshold)
-        return b
+        """The step's inputs from the persistent batch (`input_batch.InputBatch`): a decode
+        step's are gathers from the requests' slots; a prefill step writes its query blocks
+        row by row (architecture.md section 5). Decode rows whose input token the step in
+        flight is sampling read it on the device."""
+        return self.input_batch.prepare(schedule, latest_unread=self._inflight is not None)
 
     def _account(self, schedule: Schedule, dt: float, compiled: bool, extra: np.ndarray) -> None:
         """Steps that compiled a new program count as compile time, not serving time.
@@ -514,6 +487,7 @@ class LLMEngine:
                 del seq.output_token_ids[idx + 1:]  # tokens a later step sampled in flight
                 seq.metrics.finish_time = now
                 self.scheduler.release(seq)
+                self.input_batch.remove(seq.seq_id)
                 self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, new_text))
         return outputs

@@ -77,7 +77,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # prefill token budget per step
     max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    min_page_bucket: int = 4
+    min_page_bucket: int = 4  # decode steps' narrowest page table
+    # Prefill (and mixed) steps: few shapes, so precompiling them all is cheap (arrivals
+    # form prefill and mixed steps of any row count, length and furthest position, which no
+    # warm-up by example meets). A step of N packed tokens pads its rows to at least
+    # N / prefill_row_tokens (a padded row costs about 2-3 tokens of the step: its slot in
+    # the dense layers and the LM head; its attention sees no key), so a step's rows take
+    # few batch buckets; None: every batch bucket. Page tables take these widths, capped at
+    # pages_per_seq (None: pages_per_seq alone). docs/benchmarks.md, "Prefill shapes".
+    prefill_row_tokens: int | None = 64
+    prefill_page_buckets: tuple[int, ...] | None = None
     # Decode rows ride along in a prefill step (at full depth, one token each, within the
     # token budget), so a running request never waits behind a long prompt. With ragged
     # prefill a decode row costs one token of the step, not a padded chunk.
@@ -92,6 +101,12 @@ class SchedulerConfig:
                              f"bucket ({max(self.batch_buckets)})")
         if self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError("max_num_batched_tokens and max_model_len must be positive")
+        if self.prefill_row_tokens is not None and self.prefill_row_tokens < 1:
+            raise ValueError(f"prefill_row_tokens must be positive or None, got "
+                             f"{self.prefill_row_tokens}")
+        if self.prefill_page_buckets is not None and min(self.prefill_page_buckets, default=0) < 1:
+            raise ValueError(f"prefill_page_buckets must be positive widths, got "
+                             f"{self.prefill_page_buckets}")
 
     @property
     def pages_per_seq(self) -> int:
@@ -99,6 +114,13 @@ class SchedulerConfig:
 
     def batch_bucket(self, n: int) -> int:
         return min(b for b in self.batch_buckets if b >= n)
+
+    def prefill_batch(self, rows: int, tokens: int) -> int:
+        """B of a prefill step of `rows` rows and `tokens` packed tokens: the batch bucket of
+        at least tokens / prefill_row_tokens rows (at most max_num_seqs)."""
+        if self.prefill_row_tokens is not None:
+            rows = max(rows, min(self.max_num_seqs, -(-tokens // self.prefill_row_tokens)))
+        return self.batch_bucket(rows)
 
     def prefill_tokens(self, blocks: int) -> int:
         """N of a prefill step whose rows take `blocks` query blocks: the blocks' bucket in
@@ -111,18 +133,20 @@ class SchedulerConfig:
         return QUERY_BLOCK * _next_bucket(blocks)
 
     def page_bucket(self, num_tokens: int, kind: str = "decode") -> int:
-        """Page-table width of a step whose furthest row ends at `num_tokens`. Prefill steps
-        take powers of two: attention is a small share of their work (the dense layers on
-        the packed tokens are the rest), and it halves their compiled shapes."""
+        """Page-table width of a step whose furthest row ends at `num_tokens`: decode steps
+        round up to `_next_bucket` (at least min_page_bucket), prefill steps to
+        `prefill_page_buckets` (default: pages_per_seq alone); at most pages_per_seq."""
         pages = math.ceil(num_tokens / self.page_size)
-        bucket = _next_bucket(pages) if kind == "decode" else 1 << (pages - 1).bit_length()
-        return min(self.pages_per_seq, max(self.min_page_bucket, bucket))
+        if kind == "decode":
+            return min(self.pages_per_seq, max(self.min_page_bucket, _next_bucket(pages)))
+        return min([w for w in self.prefill_page_buckets or () if w >= pages]
+                   + [self.pages_per_seq])
 
     def step_shapes(self, kinds: tuple[str, ...] = ("decode", "prefill")) -> list[StepShape]:
         """Every step shape `Scheduler` can produce under this config (what `precompile`
-        compiles): decode steps by batch and page bucket; prefill steps by batch bucket,
-        packed tokens (query blocks) and page bucket, where the rows' chunks fit the token
-        budget and the longest chunk fits the page bucket."""
+        compiles): decode steps by batch and page bucket; prefill steps by batch
+        (`prefill_batch`), packed tokens (query blocks) and page bucket, where the rows'
+        chunks fit the token budget and the longest chunk fits the page bucket."""
         def firsts(bucket, hi: int) -> dict[int, int]:  # bucket -> smallest n mapping to it
             out: dict[int, int] = {}
             for n in range(1, hi + 1):
@@ -152,7 +176,8 @@ class SchedulerConfig:
                     longest = (-(-nb // k) - 1) * QUERY_BLOCK + 2 if nb else 1
                     for w, end in reach.items():
                         if end >= longest:
-                            seen.add(StepShape(self.batch_bucket(r), self.prefill_tokens(nb),
+                            n = self.prefill_tokens(nb)
+                            seen.add(StepShape(self.prefill_batch(r, n), n,
                                                w, kind="prefill"))
             shapes += sorted(seen, key=lambda s: (s.batch, s.tokens, s.pages))
         return shapes
@@ -282,8 +307,8 @@ class Scheduler:
                 budget -= 1
         if not rows:
             return None
-        shape = StepShape(cfg.batch_bucket(len(rows)),
-                          cfg.prefill_tokens(sum(query_blocks(r.num_tokens) for r in rows)),
+        tokens = cfg.prefill_tokens(sum(query_blocks(r.num_tokens) for r in rows))
+        shape = StepShape(cfg.prefill_batch(len(rows), tokens), tokens,
                           cfg.page_bucket(max(r.start + r.num_tokens for r in rows), "prefill"),
                           kind="prefill")
         return Schedule("prefill", rows, shape, [])

@@ -1,0 +1,68 @@
+"""A mixed-step service under Poisson-like arrivals compiles nothing after start-up's warm-up.
+
+Arrivals form prefill and mixed steps of any row count, packed length and furthest position,
+which no warm-up by example meets (issue 13: three ~2 s compiles inside a measured Poisson
+run). Prefill steps take one page-table width and few batch buckets per packed length
+(`SchedulerConfig.prefill_row_tokens`), so their shapes are few, and `LLMEngine.precompile`
+compiles every shape ahead.
+"""
+
+import jax
+import numpy as np
+
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import greedy
+from ee_jax.testing import tiny_model
+
+CFG, PARAMS = tiny_model(seed=5, eos_token_ids=())
+
+
+def _poisson_requests(rng, n: int, mean_gap: float, max_prompt: int, max_new: int):
+    """(arrival step, prompt, max_tokens) of n requests with exponential gaps (in steps)."""
+    steps = np.floor(np.cumsum(rng.exponential(mean_gap, n))).astype(int)
+    return [(int(s), rng.integers(3, CFG.vocab_size, int(rng.integers(1, max_prompt + 1))
+                                  ).tolist(), int(rng.integers(1, max_new + 1)))
+            for s in steps]
+
+
+def test_poisson_mixed_run_compiles_nothing_after_precompile():
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8,
+                          max_prefill_chunk=32, max_num_batched_tokens=64,
+                          batch_buckets=(1, 2, 4), mixed_steps=True)
+    engine = LLMEngine(CFG, PARAMS, None, config)
+    shapes = engine.scheduler.config.step_shapes()
+    prefill = [s for s in shapes if s.kind == "prefill"]
+    assert {s.pages for s in prefill} == {8}  # one page-table width: pages_per_seq
+    assert engine.precompile(progress=False) == len(shapes) == len(engine.runner.traces)
+    traced = dict(engine.runner.traces)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+
+    formed = []  # (kind, rows) of every step the scheduler formed
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        s = schedule()
+        if s is not None:
+            formed.append((s.kind, len(s.rows)))
+        return s
+
+    engine.scheduler.schedule = recording
+    requests = _poisson_requests(np.random.default_rng(0), 40, mean_gap=2.0, max_prompt=48,
+                                 max_new=16)
+    done, step = {}, 0
+    while len(done) < len(requests):
+        for i, (at, prompt, new) in enumerate(requests):
+            if at == step:
+                engine.add_request(f"r{i}", prompt, greedy(new))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    assert all(len(done[f"r{i}"].token_ids) == new for i, (_, _, new) in enumerate(requests))
+    rows = {n for kind, n in formed if kind == "prefill"}
+    assert engine.stats.num_mixed_steps > 0 and len(rows) >= 4, (formed, rows)
+    assert engine.runner.traces == traced
+    assert compiles == []
