@@ -184,11 +184,13 @@ def fmt(x: float, nd: int = 1) -> str:
 # --------------------------------------------------------------------------- models
 
 
-def load_f32(name: str):
-    """A LoadedModel in float32 (registry name, GGUF, Hugging Face folder)."""
+def load_f32(name: str, blocks: bool = True):
+    """A LoadedModel in float32 (registry name, GGUF, Hugging Face folder), as ee-jax serves
+    it: a GGUF's Q4_0/Q4_1/Q8_0 layer weights in their blocks (bit-identical f32 weights,
+    dequantized in the step); blocks=False: every weight a dense f32 array."""
     from ee_jax.models.loading import load_model
 
-    return load_model(name, dtype="float32", progress=False)
+    return load_model(name, dtype="float32", progress=False, blocks=blocks)
 
 
 def smollm2_shaped_config(**overrides):

@@ -141,7 +141,7 @@ def main(argv=None) -> None:
         prompts = load_prompts("random", None, args.prompts, 16, 64, vocab=cfg.vocab_size)
         source = "random SmolLM2-shaped weights"
     else:
-        model = load_f32(args.model)
+        model = load_f32(args.model, blocks=False)  # the f32 reference: dense arrays
         cfg, params = model.config, model.params
         prompts = load_prompts("chat", model.tokenizer, args.prompts)
         source = args.model

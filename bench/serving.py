@@ -207,8 +207,8 @@ def render(ctx: dict) -> str:
     a(f"- Threads: torch intra-op {ctx['torch_threads']}, inter-op "
       f"{ctx['torch_interop']}; XLA CPU uses its own pool over all {ctx['ncpu']} cores "
       f"(XLA_FLAGS={ctx['xla_flags']!r}); transformers attention: `{ctx['attn_impl']}`")
-    a(f"- Model: `{ctx['model_source']}` ({ctx['weights']}), {ctx['weight_mb']:.0f} MB of f32 "
-      f"weights; ee-jax engine {ctx['engine_cfg']}")
+    a(f"- Model: `{ctx['model_source']}` ({ctx['weights']}), {ctx['weight_mb']:.0f} MB of "
+      f"weights as ee-jax holds them; ee-jax engine {ctx['engine_cfg']}")
     a(f"- Workload: greedy, {ctx['new_tokens']} new tokens per sequence (forced), prompts = "
       f"{ctx['prompt_desc']}, same token ids for both engines")
     a("")
@@ -340,6 +340,9 @@ def parse_args(argv):
                    help="before each pair, wait up to this many seconds for the machine to be "
                         "idle (0: do not wait)")
     p.add_argument("--no-profile", action="store_true", help="skip the dense-floor profile")
+    p.add_argument("--dense-weights", action="store_true",
+                   help="ee-jax holds every weight as a dense f32 array (default: a GGUF's "
+                   "block-quantized layer weights stay in their blocks, as ee-jax serves them)")
     p.add_argument("--no-host-split", action="store_true",
                    help="skip the synchronised pass that splits host and device time")
     p.add_argument("--out", type=Path, default=None,
@@ -365,6 +368,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    from ee_jax.models import quant
     from ee_jax.serving.llm import LLM
 
     torch.set_num_threads(args.threads or ncpu)
@@ -383,8 +387,14 @@ def main(argv=None) -> int:
         model_name, weights = f"random {args.random} Llama", "random f32, one checkpoint"
     else:
         log(f"loading {args.model} for ee-jax and for transformers ...")
-        m, hf = load_f32(args.model), hf_from_gguf(args.model)
-        model_name, weights = args.model, "GGUF dequantized to float32 by both loaders"
+        m, hf = load_f32(args.model, blocks=not args.dense_weights), hf_from_gguf(args.model)
+        model_name = args.model
+        weights = ("GGUF dequantized to float32 arrays by both loaders" if args.dense_weights
+                   or not quant.has_blocks(m.params) else
+                   "one GGUF: transformers dequantizes it to float32 arrays; ee-jax keeps its "
+                   "Q4_1 layer weights in their blocks and dequantizes them inside each step "
+                   "to the same f32 values, bit for bit (`--dense-weights`: f32 arrays on both "
+                   "sides); f32 arithmetic on both sides")
     cfg = m.config
     max_b = max(args.batches)
     engine_kw = dict(max_num_seqs=max(32, max_b), max_model_len=1024, page_size=16,

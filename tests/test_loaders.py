@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ee_jax.models import gguf as gguf_loader
+from ee_jax.models import quant
 from ee_jax.models.checkpoint import restore_checkpoint, save_checkpoint
 from ee_jax.models.config import RopeScaling
 from ee_jax.models.gguf import gguf_config, load_gguf, permute_qk_rows, unpermute_qk_rows
@@ -212,6 +213,31 @@ def test_gguf_matches_transformers(tmp_path, torch_cpu, qtype):
     if qtype == Q.F32:  # lossless: the original weights come back bit for bit
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_gguf_blocks_are_the_dequantized_weights_bit_for_bit(tmp_path, torch_cpu, qtype):
+    """blocks=True keeps each layer matmul weight in the file's blocks (`quant.BlockQ`); what
+    they dequantize to equals the `gguf` package's dequantization (blocks=False) exactly, Q/K
+    rows un-permuted alike, and the logits match transformers on the same file."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, params = gguf_tiny_model()
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", cfg, params, qtype)
+    _, dense = load_gguf(path)
+    loaded_cfg, blocked = load_gguf(path, blocks=True)
+    for key in quant.QUANTIZED_KEYS:
+        w = blocked["layers"][key]
+        assert isinstance(w, quant.BlockQ) and w.q_t.dtype == np.int8
+        assert (w.offset_t is not None) == (qtype == Q.Q4_1)
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(w)),
+                                      np.asarray(dense["layers"][key]))
+    assert quant.param_bytes(blocked["layers"]) < 0.4 * quant.param_bytes(dense["layers"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                 dtype=torch_cpu.float32)
+    tokens = tokens_for(cfg)
+    np.testing.assert_allclose(our_logits(blocked, loaded_cfg, tokens),
+                               transformers_logits(model, tokens), atol=1e-4, rtol=0)
 
 
 def test_gguf_without_unpermute_disagrees(tmp_path, torch_cpu, monkeypatch):

@@ -92,12 +92,16 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Params,
     """Save `params` (checked against `cfg`) and named `extra` trees to the folder `path`.
 
     `overwrite` replaces an existing ee-jax checkpoint there; any other non-empty folder is
-    refused. Returns the absolute path.
+    refused. Returns the absolute path. Packed weights (a GGUF's blocks, int8) are saved
+    dequantized to the config's dtype: a checkpoint holds plain arrays.
     """
     import orbax.checkpoint as ocp
 
+    from ee_jax.models import quant
+
     path = Path(path).absolute()
     check_params(cfg, params, source="params to save")
+    params = quant.dequantize_params(params, cfg.jnp_dtype)
     _check_dtypes(cfg, params)
     extra = dict(extra or {})
     spec = {name: tree_spec(tree) for name, tree in extra.items()}

@@ -199,6 +199,35 @@ def _dequantize(tensor, source: str) -> np.ndarray:
     return arr
 
 
+# Block types whose blocks a decode step reads as they are (`quant.BlockQ`): 32 inputs per
+# f16 scale; Q4_1 adds an f16 offset, Q4_0 centres its nibbles at 8.
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's own blocks: q int8 [out, in], scale and offset f32
+    [out, in // 32] (offset None but for Q4_1), with q * scale + offset equal to the `gguf`
+    package's dequantization bit for bit (tests/test_loaders.py). ggml's layouts: Q8_0 is
+    (f16 d, 32 x int8); Q4_0 (f16 d, 16 bytes) and Q4_1 (f16 d, f16 m, 16 bytes) hold inputs
+    0-15 of the block in the low nibbles and 16-31 in the high ones."""
+    kind = tensor.tensor_type.name
+    out, inp = _np_shape(tensor)
+    raw = np.asarray(tensor.data, np.uint8).reshape(out, inp // 32, -1)
+
+    def f16(lo: int) -> np.ndarray:
+        return np.ascontiguousarray(raw[..., lo:lo + 2]).view(np.float16)[..., 0].astype(
+            np.float32)
+
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(raw[..., 2:]).view(np.int8)
+        return q.reshape(out, inp), f16(0), None
+    qs = raw[..., 4:] if kind == "Q4_1" else raw[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
+    if kind == "Q4_0":
+        q -= 8
+    return q.reshape(out, inp), f16(0), f16(2) if kind == "Q4_1" else None
+
+
 def _unsupported_type(tensor, source: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"{source}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
@@ -397,11 +426,14 @@ def _split_name(name: str) -> tuple[int | None, Any]:
     return None, name
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
+              blocks: bool = False) -> tuple[ModelConfig, Params]:
     """Read a llama GGUF file: its `ModelConfig` and the filled, checked parameter tree.
 
-    All tensors are dequantized to f32 on the host, Q/K rows un-permuted, Linear weights
-    transposed to input-major, then cast to `dtype` as jax arrays.
+    Tensors are dequantized to f32 on the host, Q/K rows un-permuted, Linear weights
+    transposed to input-major, then cast to `dtype` as jax arrays. blocks=True: a layer
+    matmul weight stored in one of `BLOCK_TYPES` in every layer stays in its blocks
+    (`quant.BlockQ`, dequantized bit-exactly inside the step; a quarter of the bytes).
     """
     reader = _open(path)
     source = str(path)
@@ -412,8 +444,18 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     expected = _expected_np_shapes(cfg, tensors)
     L = cfg.n_layers
 
+    from ee_jax.models.quant import QUANTIZED_KEYS, BlockQ
+
+    types: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        layer, base = _split_name(t.name)
+        if layer is not None and base in tensors:
+            types.setdefault(tensors[base], set()).add(t.tensor_type.name)
+    kept = {key for key, ts in types.items()
+            if blocks and key in QUANTIZED_KEYS and len(ts) == 1 and ts <= set(BLOCK_TYPES)}
     layers = {key: np.empty((L, *param_shapes(cfg)["layers"][key].shape[1:]), np.float32)
-              for key in tensors.values()}
+              for key in tensors.values() if key not in kept}
+    block_parts: dict[str, list] = {key: [None] * L for key in kept}
     seen: set[str] = set()
     bad_shape: set[str] = set()
     unexpected, misshaped = [], []
@@ -433,8 +475,15 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
             bad_shape.add(t.name)
             continue
         seen.add(t.name)
-        w = _dequantize(t, source)  # numpy order: [out, in] for weights
         name = base[0] if layer is not None else base
+        if layer is not None and tensors[base] in kept:
+            parts = _blocks(t)  # output-major, as the step reads them
+            if arch.permuted_qk and name in ("attn_q", "attn_k"):
+                n = cfg.n_heads if name == "attn_q" else cfg.n_kv_heads
+                parts = tuple(None if a is None else unpermute_qk_rows(a, n) for a in parts)
+            block_parts[tensors[base]][layer] = parts
+            continue
+        w = _dequantize(t, source)  # numpy order: [out, in] for weights
         if arch.permuted_qk and name == "attn_q":
             w = unpermute_qk_rows(w, cfg.n_heads)
         elif arch.permuted_qk and name == "attn_k":
@@ -467,5 +516,11 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
     dt = cfg.jnp_dtype
     params: Params = {k: jnp.asarray(v, dt) for k, v in out.items()}
     params["layers"] = {k: jnp.asarray(v, dt) for k, v in layers.items()}
+    for key, per_layer in block_parts.items():
+        if all(p is not None for p in per_layer):  # else check_params names it missing
+            params["layers"][key] = BlockQ(*(
+                None if per_layer[0][i] is None else jnp.asarray(np.stack([p[i] for p in
+                                                                           per_layer]))
+                for i in range(3)))
     check_params(cfg, params, source=source)
     return cfg, params

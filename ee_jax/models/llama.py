@@ -13,8 +13,8 @@ traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
     lm_head     [D, V]      (absent when the head is tied to `embed`)
 
 Weights are stored input-major (`x @ w`) and applied by `linear`, the one matmul rule: a
-layer weight may be an int8 `quant.QArray` (per-output-channel scales, see
-`ee_jax.models.quant`), or, once `serving_layout` has prepared the params for serving, a
+layer weight may be a GGUF file's own blocks (`quant.BlockQ`, the default for a GGUF, exact),
+an int8 `quant.QArray` (per-output-channel scales, see `ee_jax.models.quant`), or, once `serving_layout` has prepared the params for serving, a
 `quant.OutMajor` (the same weight transposed: faster one-row decode on CPU). Norm weights
 are stored as the checkpoint holds them; `norm` applies the family's rule (Gemma's 1 + w)
 in one place, for the layers, the final head and the exit heads alike. Nothing here knows
@@ -35,7 +35,15 @@ import numpy as np
 
 from ee_jax.errors import ModelLoadError
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.quant import QUANTIZED_KEYS, OutMajor, QArray, linear, out_major_matmul
+from ee_jax.models.quant import (
+    QUANTIZED_KEYS,
+    BlockQ,
+    OutMajor,
+    QArray,
+    is_packed,
+    linear,
+    out_major_matmul,
+)
 
 Params = dict[str, Any]
 LayerParams = dict[str, jax.Array]
@@ -127,13 +135,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
 
 
 def _weight_leaf(a) -> bool:
-    return isinstance(a, QArray | OutMajor)
+    return is_packed(a)
 
 
 def cast_params(params: Params, dtype) -> Params:
-    """Every array in `dtype`; int8 weights (QArray) stay int8."""
-    return jax.tree.map(lambda a: a if isinstance(a, QArray) else jnp.asarray(a, dtype), params,
-                        is_leaf=lambda a: isinstance(a, QArray))
+    """Every array in `dtype`; int8 (QArray) and GGUF-block (BlockQ) weights stay as they
+    are (they are applied in the activations' dtype)."""
+    return jax.tree.map(lambda a: a if isinstance(a, QArray | BlockQ) else jnp.asarray(a, dtype),
+                        params, is_leaf=lambda a: isinstance(a, QArray | BlockQ))
 
 
 @jax.jit
@@ -152,7 +161,7 @@ def serving_layout(params: Params, *, consume: bool = False) -> Params:
     weight, not the whole model); otherwise a new tree that shares everything else."""
     layers = params["layers"] if consume else dict(params["layers"])
     for key in QUANTIZED_KEYS:
-        if not isinstance(layers[key], QArray | OutMajor):
+        if not is_packed(layers[key]):
             layers[key] = OutMajor(_transposed(layers[key]))
     return params if consume else dict(params, layers=layers)
 

@@ -31,14 +31,18 @@ class LoadedModel:
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
                quantize: str | None = None, progress: bool = True,
-               mesh: str | None = None) -> LoadedModel:
+               mesh: str | None = None, blocks: bool = True) -> LoadedModel:
     """A registry name (`smollm2-135m-instruct`), a .gguf file, a Hugging Face folder
     (config.json + safetensors) or an ee-jax orbax checkpoint folder.
 
     quantize="int8": the layer weights become int8 with per-output-channel scales once
     loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`.
     mesh="tp=4,dp=2": a Hugging Face folder's weights go straight to their shards as they
-    are read (other formats are sharded by the engine after loading)."""
+    are read (other formats are sharded by the engine after loading).
+    blocks (GGUF, the default): layer weights stored as Q4_0/Q4_1/Q8_0 stay in the file's
+    blocks (`quant.BlockQ`): bit-identical weights at a quarter of the f32 bytes, dequantized
+    inside each step, so decoding reads less memory. blocks=False, an int8 `quantize` or a
+    mesh: every weight dequantized to `dtype` on the host."""
     quant.check_quantize(quantize)  # before minutes of loading
     t0 = time.perf_counter()
     kind, path = registry.resolve_model(name_or_path)
@@ -49,7 +53,8 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
         from ee_jax.serving.sharding import placement as shard_placement
 
         placement = shard_placement(mesh)
-    cfg, params = registry.load_params(name_or_path, dtype=dtype, placement=placement)
+    cfg, params = registry.load_params(name_or_path, dtype=dtype, placement=placement,
+                                       blocks=blocks and not quantize and not mesh)
     params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
     tokenizer = None
     if kind == "gguf":
@@ -61,6 +66,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     if progress:
         print(f"[ee-jax] loaded {cfg.n_layers} layers, d={cfg.d_model}, "
               f"vocab={cfg.vocab_size}, {dtype}{' + int8 layer weights' if quantize else ''}"
+              f"{' (layer weights in their GGUF blocks)' if quant.has_blocks(params) else ''}"
               f" ({quant.param_bytes(params) / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - t0:.1f}s",
               file=sys.stderr)

@@ -1,4 +1,9 @@
-"""Weight-only int8: per-output-channel scales, dequantized inside the matmul.
+"""Layer weights stored other than as plain arrays, and `linear`, the one matmul rule.
+
+- `BlockQ`: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are and dequantized inside
+  the step, bit-exactly (what a GGUF model is served from by default: `load_model`).
+- `QArray`: weight-only int8 with per-output-channel scales (`quantize="int8"`).
+- `OutMajor`: the same f32 weight transposed (`llama.serving_layout`; not used by default).
 
 A quantized weight is a `QArray`: `q` int8 [..., in, out] and `scale` f32 [..., out], with
 w ~= q * scale (symmetric, scale = max |w| over the input axis / 127). It is a registered
@@ -61,6 +66,11 @@ def is_qarray(x: Any) -> bool:
     return isinstance(x, QArray)
 
 
+def is_packed(x: Any) -> bool:
+    """A weight stored other than as a plain array (int8, output-major or GGUF blocks)."""
+    return isinstance(x, QArray | OutMajor | BlockQ)
+
+
 def check_quantize(quantize: str | None) -> str | None:
     """`quantize` itself if ee-jax implements it, else a QuantizeError saying what does."""
     if quantize is None or quantize in QUANTIZE_MODES:
@@ -98,6 +108,55 @@ class OutMajor:
         return int(self.t.nbytes)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockQ:
+    """A weight kept in a GGUF file's own blocks (Q4_0 / Q4_1 / Q8_0): w = q * scale + offset,
+    one scale (and offset) per `BLOCK` consecutive inputs of each output channel.
+
+    Why: a decode step reads every layer weight once, so at a few rows its time is the bytes
+    it reads: 1 + 1/4 per weight (int8 q, f32 scale and offset per 32) instead of 4. The
+    product of an f16 scale and a 4- or 8-bit q is exact in f32, and one rounding then adds
+    the offset, so the weight `block_dequantize` builds inside the step is bit-identical to
+    the f32 array the `gguf` package's dequantization gives: the model served is the file's
+    model, not an approximation of it (unlike `QArray`, which quantizes again). Kept
+    output-major, the file's own order (the `_t` fields; `sharding` reads the suffix)."""
+
+    q_t: jax.Array  # int8 [..., out, in]
+    scale_t: jax.Array  # f32 [..., out, in // BLOCK]
+    offset_t: jax.Array | None = None  # f32 [..., out, in // BLOCK] (Q4_1; None otherwise)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for, [..., in, out] (what `check_params` reads)."""
+        *lead, out, inp = self.q_t.shape
+        return (*lead, inp, out)
+
+    @property
+    def dtype(self):
+        return self.scale_t.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.q_t, self.scale_t, self.offset_t)
+                   if a is not None)
+
+
+BLOCK = 32  # inputs per scale in Q4_0 / Q4_1 / Q8_0
+
+
+def block_dequantize(w: BlockQ) -> jax.Array:
+    """The output-major f32 weight [..., out, in] a `BlockQ` stands for (exact). Inside a
+    step XLA fuses this with the layer's slice of the stacked blocks: the f32 weight is
+    written once from a quarter of its bytes, where a plain f32 weight's slice is copied."""
+    *lead, out, inp = w.q_t.shape
+    q = w.q_t.astype(jnp.float32).reshape(*lead, out, inp // BLOCK, BLOCK)
+    t = q * w.scale_t[..., None]
+    if w.offset_t is not None:
+        t = t + w.offset_t[..., None]
+    return t.reshape(*lead, out, inp)
+
+
 # OutMajor products by row count (bench/decode_micro.py, SmolLM2's layer slices, 2-core CPU):
 # one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows reading the stacked
 # weight in place (about 2x x @ w on the input-major weight, whose layer slice XLA copies
@@ -121,12 +180,14 @@ def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) ->
     return y.T.reshape(*x.shape[:-1], t.shape[-2])
 
 
-def linear(x: jax.Array, w: jax.Array | QArray | OutMajor) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QArray | OutMajor | BlockQ) -> jax.Array:
     """x @ w for a plain, an output-major or an int8 weight. x: [..., in]; w: [in, out] ->
     [..., out] in x's dtype. int8: the dot accumulates in f32 and the scale multiplies the
     result."""
     if isinstance(w, OutMajor):
         return out_major_matmul(x, w.t)
+    if isinstance(w, BlockQ):
+        return out_major_matmul(x, block_dequantize(w).astype(x.dtype))
     if isinstance(w, QArray):
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)
@@ -145,8 +206,10 @@ def quantize_weight(w: jax.Array) -> QArray:
     return QArray(q, scale)
 
 
-def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
-    """The weight the int8 one stands for, q * scale, in `dtype`."""
+def dequantize(w: QArray | BlockQ, dtype=jnp.float32) -> jax.Array:
+    """The input-major weight [..., in, out] an int8 or block weight stands for, in `dtype`."""
+    if isinstance(w, BlockQ):
+        return jnp.swapaxes(block_dequantize(w), -1, -2).astype(dtype)
     return (w.q.astype(jnp.float32) * w.scale[..., None, :]).astype(dtype)
 
 
@@ -161,16 +224,24 @@ def quantize_params(params: dict, quantize: str | None = "int8", *,
         return params
     layers = params["layers"] if consume else dict(params["layers"])
     for key in QUANTIZED_KEYS:
+        if isinstance(layers[key], BlockQ):  # int8 of the weight the file's blocks hold
+            layers[key] = dequantize(layers[key])
         if not isinstance(layers[key], QArray):
             layers[key] = quantize_weight(layers[key])
     return params if consume else dict(params, layers=layers)
 
 
 def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
-    """Every QArray replaced by its dequantized weight in `dtype` (a plain model that
-    computes what the int8 one does: the tests' reference)."""
-    return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QArray) else a,
-                        params, is_leaf=is_qarray)
+    """Every QArray / BlockQ replaced by its dequantized weight in `dtype` (a plain model that
+    computes what the packed one does: the tests' reference, and what sharded serving and
+    checkpoints take)."""
+    return jax.tree.map(lambda a: dequantize(a, dtype) if isinstance(a, QArray | BlockQ)
+                        else a, params, is_leaf=lambda a: isinstance(a, QArray | BlockQ))
+
+
+def has_blocks(params: dict) -> bool:
+    return any(isinstance(a, BlockQ) for a in
+               jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, BlockQ)))
 
 
 def is_quantized(params: dict) -> bool:

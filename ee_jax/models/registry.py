@@ -107,9 +107,10 @@ def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:
 
 
 def load_params(name_or_path: str | os.PathLike, dtype: str = "float32",
-                placement=None) -> tuple[ModelConfig, Params]:
+                placement=None, blocks: bool = False) -> tuple[ModelConfig, Params]:
     """Resolve `name_or_path` and load it as (config, params) in `dtype`. `placement`
     (Hugging Face folders): where each leaf goes as it is read (`sharding.placement`).
+    `blocks` (GGUF files): keep Q4_0/Q4_1/Q8_0 layer weights in their blocks (`gguf.load_gguf`).
 
     A checkpoint is restored in the dtype it was saved in, then cast if `dtype` differs.
     """
@@ -117,7 +118,7 @@ def load_params(name_or_path: str | os.PathLike, dtype: str = "float32",
     if kind == "gguf":
         from ee_jax.models.gguf import load_gguf
 
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, blocks=blocks)
     if kind == "hf":
         from ee_jax.models.hf import load_hf
 

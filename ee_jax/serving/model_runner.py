@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exits, llama, quant
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
@@ -192,6 +192,8 @@ class ModelRunner:
         self.params, self.exit_heads = params, exit_heads
         jit_kw: dict[str, Any] = {}
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
+            params = quant.dequantize_params(params, cfg.jnp_dtype) \
+                if quant.has_blocks(params) else params  # GGUF blocks: not sharded as such
             self.params = sharding.shard(params, sharding.param_shardings(params, cfg, mesh))
             if exit_heads is not None:
                 self.exit_heads = sharding.shard(
