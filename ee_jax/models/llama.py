@@ -14,8 +14,9 @@ traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
 
 Weights are stored input-major (`x @ w`) and applied by `linear`, the one matmul rule: a
 layer weight may be a GGUF file's own blocks (`quant.BlockQ`, the default for a GGUF, exact),
-an int8 `quant.QArray` (per-output-channel scales, see `ee_jax.models.quant`), or, once `serving_layout` has prepared the params for serving, a
-`quant.OutMajor` (the same weight transposed: faster one-row decode on CPU). Norm weights
+an int8 `quant.QArray` (per-output-channel scales, see `ee_jax.models.quant`), or, once
+`serving_layout` has prepared the params for serving, a `quant.OutMajor` (the same weight
+transposed: faster one-row decode on CPU). Norm weights
 are stored as the checkpoint holds them; `norm` applies the family's rule (Gemma's 1 + w)
 in one place, for the layers, the final head and the exit heads alike. Nothing here knows
 about caches or batching: attention is injected into `decoder_layer` as a function, so the
