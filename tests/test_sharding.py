@@ -115,3 +115,29 @@ def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
     assert tuple(sh["mlp"]["down"].spec) == (None, None, "tp" if split else None)
     assert tuple(sh["mlp"]["up"].spec) == (None, "tp" if split else None, None)
     assert all(s is None for s in sh["norm"].spec)  # [E, D]: replicated
+
+
+def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path):
+    """A GGUF's block weights (`quant.BlockQ`) on a mesh: the runner dequantizes them before
+    sharding; greedy tokens equal one device serving the blocks and the dense reference on
+    the dequantized weights."""
+    import gguf
+
+    from ee_jax.models import quant
+    from ee_jax.models.gguf import load_gguf
+    from tests.test_loaders import gguf_tiny_model, write_tiny_gguf
+
+    cfg, params = gguf_tiny_model(eos_token_ids=())
+    path = write_tiny_gguf(tmp_path / "q8.gguf", cfg, params, gguf.GGMLQuantizationType.Q8_0)
+    cfg, blocked = load_gguf(path, blocks=True)
+    assert quant.has_blocks(blocked)
+    dense = quant.dequantize_params(blocked)
+    prompts = [np.random.default_rng(2).integers(3, cfg.vocab_size, n).tolist() for n in (7, 3)]
+    runs = {}
+    for mesh in (None, "tp=2"):
+        engine = LLMEngine(cfg, blocked, None, EngineConfig(
+            max_num_seqs=2, max_model_len=64, page_size=4, num_pages=40, max_prefill_chunk=16,
+            batch_buckets=(1, 2), mesh=mesh))
+        runs[mesh] = [o.token_ids for o in run_requests(engine, prompts, greedy(NEW))]
+        assert quant.has_blocks(engine.runner.params) == (mesh is None)
+    assert runs["tp=2"] == runs[None] == [dense_greedy(cfg, dense, p, NEW) for p in prompts]
