@@ -128,6 +128,49 @@ def test_candidate_features_follow_their_definition():
     np.testing.assert_array_equal(np.asarray(st2.cand), want)  # candidates persist
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=st.sampled_from([(130,), (3, 8192), (2, 1, 500), (4, 96)]),
+       k=st.integers(1, 12), levels=st.integers(2, 50), seed=st.integers(0, 2**16))
+def test_block_top_k_is_lax_top_k(shape, k, levels, seed):
+    """`exits.top_k` (block maxima first) returns exactly what `jax.lax.top_k` returns, ties
+    included: values drawn from a few levels, so many entries tie."""
+    z = np.random.default_rng(seed).integers(0, levels, shape).astype(np.float32)
+    z = jnp.asarray(z - 1e3 * (np.arange(shape[-1]) % 7 == 3))  # and some far below
+    want_v, want_i = jax.lax.top_k(z, k)
+    got_v, got_i = exits.top_k(z, k)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    assert got_i.dtype == jnp.int32
+
+
+def test_vocab_rows_gathered_once_change_nothing():
+    """Heads holding the subset's LM-head rows (`with_vocab_rows`) score, decide and pass
+    `check_heads` exactly as heads that gather them per call."""
+    for cfg, params in ((CFG, PARAMS), (TIED_CFG, TIED_PARAMS)):
+        ec, heads = subset_heads(cfg, params)
+        rows = exits.with_vocab_rows(params, heads, cfg)
+        exits.check_heads(cfg, ec, rows)
+        np.testing.assert_array_equal(
+            np.asarray(rows["vocab_rows"]),
+            np.asarray(llama.unembed(params, jnp.eye(cfg.d_model), cfg)).T[SUBSET])
+        h = jax.random.normal(jax.random.PRNGKey(4), (3, cfg.d_model))
+        st0 = exits.init_check_state(h, ec)
+        for hv in (heads, rows):
+            f, st1 = exits.candidate_features(params, hv, 0, h, st0, cfg, ec)
+            f2, _ = exits.candidate_features(params, hv, 1, 2 * h, st1, cfg, ec, first=False)
+            if hv is heads:
+                want = (f, st1.cand, f2)
+            else:
+                for a, b in zip(want, (f, st1.cand, f2), strict=True):
+                    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6,
+                                               atol=1e-6)
+        np.testing.assert_allclose(np.asarray(exits.exit_logits(params, rows, 1, h, cfg)),
+                                   np.asarray(exits.exit_logits(params, heads, 1, h, cfg)),
+                                   rtol=1e-6, atol=1e-6)
+    with pytest.raises(exits.ExitConfigError, match="vocab_rows"):
+        exits.check_heads(CFG, ec, dict(heads, vocab_rows=jnp.zeros((3, CFG.d_model))))
+
+
 def test_bad_subsets_targets_and_mismatched_models_are_clear_errors():
     _, heads = subset_heads(CFG, PARAMS)
     with pytest.raises(exits.ExitConfigError, match="duplicate"):

@@ -8,6 +8,7 @@ that state for the back-filled layers. Programs are compiled once per module.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,7 @@ from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.params import greedy
-from ee_jax.serving.step import PerRow, model_step
+from ee_jax.serving.step import PerRow, model_step, policy_for
 from ee_jax.testing import tiny_config
 from tests.reference import dense_greedy, run_requests
 
@@ -202,6 +203,83 @@ def test_each_row_exits_at_its_first_confident_exit(step_case, c_by_layer, row_t
     np.testing.assert_array_equal(k1[:, ~touched], step_case["k0"][:, ~touched])
     np.testing.assert_array_equal(v1[:, ~touched], step_case["v0"][:, ~touched])
     assert len(step_case["traces"]) == 1  # one program for every exit pattern
+
+
+def candidate_case(exit_layers):
+    """Candidate-feature heads (issue 12's shipped kind: MLP head, vocabulary subset, decision
+    MLP per exit) over a shuffled subset of the whole vocabulary; 3 candidates of 128 ids, so
+    the first check takes `exits.top_k`'s block path."""
+    ec = ExitConfig(exit_layers=exit_layers, head="mlp", adapter_rank=8, measure="candidates",
+                    vocab_subset=CFG.vocab_size, candidates=3, policy="per_row")
+    heads = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(11))
+    key = jax.random.PRNGKey(12)
+    heads["vocab"] = jnp.asarray(np.random.default_rng(3).permutation(CFG.vocab_size),
+                                 jnp.int32)
+    heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
+    heads["decision"]["w2"] = 2.0 * jax.random.normal(jax.random.fold_in(key, 1),
+                                                      heads["decision"]["w2"].shape)
+    return ec, heads
+
+
+@pytest.mark.parametrize("exit_layers", [(1, 2, 3), (2, 3)], ids=["exits123", "exits23"])
+def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_layers):
+    """The step's checks (first check outside the loop, later checks in it, vocabulary rows
+    gathered once or per step) decide exactly as `check_confidence` chained over the exits
+    on the dense hidden states, under per_row and all; with checks run but no exit taken
+    (threshold 1.0) or none run (NEVER), the logits are full depth's."""
+    ec, heads = candidate_case(exit_layers)
+    B = len(STEP_ROWS)
+    tokens = jnp.asarray([[tok] for _, _, tok in STEP_ROWS], jnp.int32)
+    table = np.full((B, 3), NULL_PAGE, np.int32)
+    for r, (_, pages, _) in enumerate(STEP_ROWS):
+        table[r, :len(pages)] = pages
+    refs = step_case["refs"]
+    meta = AttentionMetadata(jnp.asarray([[ref["pos"]] for ref in refs], jnp.int32),
+                             jnp.asarray(table),
+                             jnp.asarray([ref["pos"] + 1 for ref in refs], jnp.int32))
+    conf = np.zeros((B, len(exit_layers)), np.float32)  # the reference: chained checks
+    for r, ref in enumerate(refs):
+        state = exits.init_check_state(llama.embed(PARAMS, tokens[r], CFG), ec)
+        for s, e in enumerate(exit_layers):
+            c, _, state = exits.check_confidence(PARAMS, heads, s, jnp.asarray(
+                ref["hidden"][e - 1])[None], state, CFG, ec)
+            conf[r, s] = float(c[0])
+    assert conf.min() < 0.9 and conf.max() > 0.1, conf  # the thresholds below mean something
+
+    def expect(thr, policy):
+        first = [next((e for e, c in zip(exit_layers, conf[r], strict=True) if c >= thr[r]),
+                      L) for r in range(B)]
+        if policy == "all":
+            first = [max(first)] * B
+        logits = [exits.exit_logits(PARAMS, heads, exit_layers.index(e), refs[r]["hidden"][e - 1],
+                                    CFG) if e < L else
+                  llama.final_head(PARAMS, jnp.asarray(refs[r]["hidden"][L - 1]), CFG)
+                  for r, e in enumerate(first)]
+        return first, np.stack([np.asarray(x) for x in logits])
+
+    # per row: leave just below its confidence at exit j (row r: j = r mod exits), 1.0, NEVER
+    picked = np.asarray([conf[r, r % len(exit_layers)] - 1e-4 for r in range(B)], np.float32)
+    cases = [picked, np.full(B, 1.0, np.float32), np.full(B, NEVER, np.float32),
+             np.zeros(B, np.float32)]
+    for policy in ("per_row", "all"):
+        pol = policy_for(dataclasses.replace(ec, policy=policy), "decode")
+        for hv in (heads, exits.with_vocab_rows(PARAMS, heads, CFG)):
+            for thr in cases:
+                cache = KVCache(jnp.asarray(step_case["k0"]), jnp.asarray(step_case["v0"]))
+                result, _ = _model_step_jit(hv, cache, tokens, meta, jnp.asarray(thr), pol)
+                want_layers, want_logits = expect(thr, policy)
+                assert np.asarray(result.exit_layer).tolist() == want_layers, (policy, thr)
+                np.testing.assert_allclose(np.asarray(result.logits), want_logits, atol=2e-4,
+                                           rtol=2e-4, err_msg=f"{policy} {thr}")
+                if policy == "per_row":
+                    assert int(result.work) == expected_work(want_layers)
+                if thr[0] >= 1.0:  # full depth, checks run (1.0) or not (NEVER)
+                    assert want_layers == [L] * B
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _model_step_jit(heads, cache, tokens, meta, thresholds, policy):
+    return model_step(PARAMS, heads, cache, tokens, meta, thresholds, CFG, policy)
 
 
 def test_row_exit_logits_match_exit_logits():

@@ -47,6 +47,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ee_jax.models import exits, llama
 from ee_jax.models.config import ModelConfig
@@ -151,6 +152,7 @@ class _Loop:
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exits.CheckState  # (c) what a check carries to the next (per row)
     meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
+    first_done: jax.Array  # bool: the step's first check ran
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
@@ -215,6 +217,15 @@ def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
                       work=jnp.asarray(B * L, jnp.int32)), cache
 
 
+def checked_layers(ec: exits.ExitConfig, n_layers: int) -> tuple[int, ...]:
+    """The layers (static) after which a step with checks runs one: every exit layer from
+    `min_exit_layer` on (measure "saturation" also below it, to record the hidden state its
+    next check compares with). With `force_exit_layer` no check computes anything."""
+    if ec.measure == "saturation" and ec.force_exit_layer is None:
+        return tuple(e for e in ec.exit_layers if e < n_layers)
+    return tuple(e for e in ec.exit_layers if ec.min_exit_layer <= e < n_layers)
+
+
 def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfig,
                  policy: BatchExit | PerRow, attention: str):
     ec = policy.ec
@@ -225,6 +236,11 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     force = ec.force_exit_layer
     keep_logits = ec.needs_vocab and force is None  # checks compute the exit's logits
     can_exit = jnp.asarray(True) if force is not None else policy.can_exit(thresholds, active)
+    checked = checked_layers(ec, L)
+    start = checked[0] if checked else L  # no row can leave before the first check
+    later = np.zeros(L + 1, bool)  # the checks after the first (static; never at L)
+    later[list(checked[1:])] = True
+    later_table = jnp.asarray(later)
 
     def compact(s: _Loop) -> _Loop:
         """Gather the running rows to the front (order kept); the rest follow as padding."""
@@ -234,8 +250,10 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             s, x=s.x[order], perm=perm, running=running, done=s.done[order],
             check=_rows(s.check, order), meta=_take_rows(meta, perm, running))
 
-    def check(z: int, s: _Loop) -> _Loop:
-        """Exit check over the first z rows (z: the stage's bucket; the rest are padding)."""
+    def check(z: int, first: bool, s: _Loop) -> _Loop:
+        """Exit check over the first z rows (z: the stage's bucket; the rest are padding);
+        `first` (static): the step's first check (measure "candidates" picks its candidates
+        there), else one of the later ones."""
         n, h = s.n, s.x[:, 0]
         checks, logits_buf = s.checks, s.logits
         if force is not None:
@@ -243,16 +261,15 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             state = s.check
         else:
             conf, logits, part = exits.check_confidence(
-                params, heads, table[n], h[:z], _rows(s.check, slice(0, z)), cfg, ec)
+                params, heads, table[n], h[:z], _rows(s.check, slice(0, z)), cfg, ec,
+                first=first)
             state = part if z == B else jax.tree.map(lambda a, p: a.at[:z].set(p),
                                                      s.check, part)
             conf = conf if z == B else jnp.zeros((B,), conf.dtype).at[:z].set(conf)
             confident = (conf >= thresholds[s.perm]) & (n >= ec.min_exit_layer)
             # checks that projected onto (a subset of) the vocabulary: every check of a
             # vocabulary measure; the first check of "candidates" (it picks the candidates)
-            checks = checks + int(ec.needs_vocab)
-            if ec.measure == "candidates":
-                checks = checks + (table[n] == 0).astype(jnp.int32)
+            checks = checks + int(ec.needs_vocab) + int(first and ec.measure == "candidates")
         leave, done = policy.leave(confident & s.running, s.done, s.running, active[s.perm])
         rows = jnp.where(leave, s.perm, B)  # B is out of range: dropped
         if keep_logits:
@@ -260,41 +277,53 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         running = s.running & ~leave
         return dataclasses.replace(
             s, check=state, checks=checks, running=running, done=done, logits=logits_buf,
+            first_done=s.first_done | first,
             meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
 
+    def layer(z: int, c):
+        s, cache = c
+        mz = s.meta if z == B else _take_rows(s.meta, slice(0, z), True)
+        y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+        return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
+                                   work=s.work + z), cache
+
     def stage(k: int, s: _Loop, cache: KVCache) -> tuple[_Loop, KVCache]:
         """Layers on the first z = sizes[k] rows, for as long as the running rows do not fit
-        the next bucket. Static shapes: no branch over the bucket."""
+        the next bucket: the layers below the first check (no check; the running rows cannot
+        change there), the first check (once per step, in the stage that ran the layer before
+        it), then layers each followed by its later check. Static shapes: no branch over the
+        bucket, and the check kind (first or later) is static, not a branch per check."""
         z = sizes[k]
         fits_next = sizes[k + 1] if k + 1 < len(sizes) else 0
 
-        def cond(c):
-            return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
+        def room(s):
+            return jnp.sum(s.running) > fits_next
+
+        if k:
+            s = compact(s)
+        if start > 0:
+            s, cache = jax.lax.while_loop(lambda c: (c[0].n < start) & room(c[0]),
+                                          functools.partial(layer, z), (s, cache))
+        if start < L:
+            go = (s.n == start) & ~s.first_done & room(s) & can_exit
+            s = jax.lax.cond(go, functools.partial(check, z, True), lambda s: s, s)
 
         def body(c):
-            s, cache = c
-            mz = s.meta if z == B else _take_rows(s.meta, slice(0, z), True)
-            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
-            s = dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
-                                    work=s.work + z)
-            n = s.n
-            is_check = (n < L) & (table[jnp.minimum(n, L)] >= 0) & can_exit
-            if ec.measure != "saturation" or force is not None:
-                # Below min_exit_layer nothing needs computing (saturation still records
-                # the hidden state there, for the next check's comparison).
-                is_check = is_check & (n >= ec.min_exit_layer)
-            s = jax.lax.cond(is_check, functools.partial(check, z), lambda s: s, s)
+            s, cache = layer(z, c)
+            is_check = later_table[jnp.minimum(s.n, L)] & can_exit
+            s = jax.lax.cond(is_check, functools.partial(check, z, False), lambda s: s, s)
             return s, cache
 
-        return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
+        return jax.lax.while_loop(lambda c: (c[0].n < L) & room(c[0]), body, (s, cache))
 
     x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               running=active, done=jnp.zeros((B,), bool),
               check=exits.init_check_state(x[:, 0], ec),
               meta=_take_rows(meta, slice(None), active),
+              first_done=jnp.asarray(False),
               h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
