@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench.common import exit_summary, head_layers, serve, smollm2_shaped_config
-from bench.poisson import arrival_times, summarize
+from bench.poisson import arrival_times, summarize, ttft_floors
 from ee_jax.models.loading import LoadedModel
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
@@ -71,12 +71,20 @@ def test_head_in_layer_equivalents_and_full_depth_ideal(llm):
     assert (ex["row_hist"], ex["mean_layers"], ex["ideal"]) == (f"{CFG.n_layers}:4", 4.0, 1.0)
 
 
-def test_poisson_arrivals_and_summary():
+def test_poisson_arrivals_summary_and_ttft_floor(llm):
     t = np.asarray(arrival_times(4.0, 4000, 1e9, seed=1))
     assert np.all(np.diff(t) > 0)
     assert np.mean(np.diff(t)) == pytest.approx(0.25, rel=0.05)
     assert max(arrival_times(4.0, 4000, 10.0, seed=1)) <= 10.0
-    r = summarize("x", 1.0, [0.0, 1.0], [[0.5, 0.7, 1.0], [2.0, 2.5]], [True, True])
+    r = summarize("x", 1.0, [0.0, 1.0], [[0.5, 0.7, 1.0], [2.0, 2.5]], [True, True],
+                  floors=[0.3, 0.4, 9.0])  # one floor per prompt; the run served two
     assert r["ttft50"] == pytest.approx(np.percentile([0.5, 1.0], 50))
     assert r["itl99"] == pytest.approx(np.percentile([0.2, 0.3, 0.5], 99))
     assert (r["done"], r["span"], r["tok_s"]) == (2, 2.5, 2.0)
+    assert r["floor99"] == pytest.approx(np.percentile([0.3, 0.4], 99))
+    assert r["queue50"] == pytest.approx(np.percentile([0.2, 0.6], 50))
+    assert summarize("x", 1.0, [0.0], [[0.5]], [True])["queue99"] != r["queue99"]  # nan
+    # Each prompt alone: a first-token time per prompt, and the engine left empty.
+    floors = ttft_floors(llm, PROMPTS[:2], greedy(NEW))
+    assert len(floors) == 2 and all(0 < f < 60 for f in floors)
+    assert not llm.engine.has_unfinished_requests()
