@@ -19,11 +19,13 @@ CPU; each figure is the best of a few runs of all 30 layers.
    median / best and this process's CPU time per step (on a shared machine the CPU time and
    the best wall are the steadier figures). Variants: any `attention_kernels.BACKENDS` name,
    `xla_unblocked` (xla as one loop over all rows) and `none` (no attention: the dense part),
-   times `--layouts`: `in` (the params as loaded, input-major) and `out` (after
-   `llama.serving_layout`: layer weights output-major).
+   times `--layouts`: `in` (dense f32 arrays, input-major), `out` (after
+   `llama.serving_layout`: layer weights output-major) and `blocks` (layer weights in Q4_1
+   blocks, `quant.BlockQ`, as ee-jax serves a Q4_1 GGUF; quantized by the `gguf` package).
 
     python -m bench.decode_micro --step --batches 1 8 32 --attention xla xla_unblocked none
     python -m bench.decode_micro --step --batches 1 2 8 32 --attention xla --layouts in out
+    python -m bench.decode_micro --step --batches 1 8 32 --attention xla --layouts in blocks
 """
 
 from __future__ import annotations
@@ -222,7 +224,17 @@ def step(batches=(1, 8, 32), attentions=("xla", "xla_unblocked"), layouts=("in",
     from ee_jax.serving.step import FullDepth, model_step
 
     cfg, params = smollm2_shaped_random()
-    by_layout = {"in": params, "out": llama.serving_layout(params)}
+    by_layout = {"in": params}
+    if "out" in layouts:
+        by_layout["out"] = llama.serving_layout(params)
+    if "blocks" in layouts:  # the layer weights as a Q4_1 GGUF holds them (quant.BlockQ)
+        from ee_jax.models.gguf import block_quantize
+        from ee_jax.models.quant import QUANTIZED_KEYS
+
+        layers = dict(params["layers"])
+        for key in QUANTIZED_KEYS:
+            layers[key] = block_quantize(np.asarray(layers[key]), "Q4_1")
+        by_layout["blocks"] = dict(params, layers=layers)
     S = 16
 
     takes_last_idx = "last_idx" in inspect.signature(model_step).parameters  # older step
@@ -283,7 +295,7 @@ def main(argv=None) -> int:
     p.add_argument("--weights", action="store_true", help="only the weight layouts and head")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--attention", nargs="+", default=["xla", "xla_unblocked"])
-    p.add_argument("--layouts", nargs="+", default=["in"], choices=["in", "out"])
+    p.add_argument("--layouts", nargs="+", default=["in"], choices=["in", "out", "blocks"])
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)

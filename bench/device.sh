@@ -7,6 +7,8 @@
 #   QUICK=1 BATCHES=2 bash bench/device.sh run   # a smoke run of the script itself, on CPU
 #
 # What it measures, each in one process after warm-up with compile time apart:
+#   bench.decode_micro  the full-depth decode step, dense f32 layer weights vs Q4_1 blocks
+#                       (quant.BlockQ, how ee-jax serves a Q4_1 GGUF), batch 1-128;
 #   bench.per_row_step  one decode step: never / per_row with no row, half, all rows leaving at
 #                       layer 10 / `all` with every row leaving, at batch 8, 32, 128, 256;
 #   bench.early_exit    forced-exit ceiling and the overhead of exits never taken, batch 1-64;
@@ -38,9 +40,9 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     if [ -n "${QUICK:-}" ]; then step_args="--steps 2 --repeats 1"; ee_args="--batches 1 --repeats 2"
-        attn_args="--steps 1 --repeats 1"
+        attn_args="--steps 1 --repeats 1"; micro_args="--repeats 1"
     else step_args="--steps 20 --repeats 5"; ee_args="--batches 1 8 32 64"
-        attn_args="--steps 10 --repeats 5"; fi
+        attn_args="--steps 10 --repeats 5"; micro_args="--repeats 7"; fi
     attn_backends="reference xla"
     if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
         attn_backends="reference xla pallas_gpu layout_copy"
@@ -52,6 +54,9 @@ run)
         python3 -m bench.attention --backends $attn_backends \
             --batches ${ATTN_BATCHES:-${BATCHES:-8 32 128 256}} $attn_args \
             || echo "bench.attention failed (exit $?); the rest still runs"
+        python3 -m bench.decode_micro --step --batches ${BATCHES:-1 8 32 128} --attention xla \
+            --layouts in blocks $micro_args \
+            || echo "bench.decode_micro failed (exit $?); the rest still runs"
         for b in ${BATCHES:-8 32 128 256}; do
             python3 -m bench.per_row_step --random --batch "$b" $step_args
         done

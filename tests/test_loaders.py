@@ -240,6 +240,21 @@ def test_gguf_blocks_are_the_dequantized_weights_bit_for_bit(tmp_path, torch_cpu
                                transformers_logits(model, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", gguf_loader.BLOCK_TYPES)
+def test_block_quantize_is_the_gguf_packages_round_trip(kind):
+    """Random stacked weights [L, in, out] through `block_quantize`: what the blocks stand for
+    equals the `gguf` package's quantize-then-dequantize of each output-major slice."""
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(4).standard_normal((2, 64, 96)).astype(np.float32)
+    blocks = gguf_loader.block_quantize(w, kind)
+    expected = np.stack([dequantize(quantize(m.T.copy(), Q[kind]), Q[kind]).reshape(96, 64).T
+                         for m in w])
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(blocks)), expected)
+    with pytest.raises(ValueError, match="block types"):
+        gguf_loader.block_quantize(w, "Q5_K")
+
+
 def test_gguf_without_unpermute_disagrees(tmp_path, torch_cpu, monkeypatch):
     """Negative control: the parity test above would catch a missing/wrong un-permutation."""
     from transformers import AutoModelForCausalLM

@@ -205,14 +205,21 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's own blocks: q int8 [out, in], scale and offset f32
-    [out, in // 32] (offset None but for Q4_1), with q * scale + offset equal to the `gguf`
-    package's dequantization bit for bit (tests/test_loaders.py). ggml's layouts: Q8_0 is
-    (f16 d, 32 x int8); Q4_0 (f16 d, 16 bytes) and Q4_1 (f16 d, f16 m, 16 bytes) hold inputs
-    0-15 of the block in the low nibbles and 16-31 in the high ones."""
-    kind = tensor.tensor_type.name
+    """A Q4_0 / Q4_1 / Q8_0 tensor's own blocks (`blocks_from_raw`)."""
     out, inp = _np_shape(tensor)
-    raw = np.asarray(tensor.data, np.uint8).reshape(out, inp // 32, -1)
+    return blocks_from_raw(np.asarray(tensor.data, np.uint8), tensor.tensor_type.name, out, inp)
+
+
+def blocks_from_raw(raw: np.ndarray, kind: str, out: int, inp: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """ggml blocks (uint8, `out` rows of `inp` inputs) -> q int8 [out, in], scale and offset
+    f32 [out, in // 32] (offset None but for Q4_1), with q * scale + offset equal to the
+    `gguf` package's dequantization bit for bit (tests/test_loaders.py). ggml's layouts: Q8_0
+    is (f16 d, 32 x int8); Q4_0 (f16 d, 16 bytes) and Q4_1 (f16 d, f16 m, 16 bytes) hold
+    inputs 0-15 of the block in the low nibbles and 16-31 in the high ones."""
+    if kind not in BLOCK_TYPES:
+        raise ValueError(f"{kind} is not one of the block types {BLOCK_TYPES}")
+    raw = np.asarray(raw, np.uint8).reshape(out, inp // 32, -1)
 
     def f16(lo: int) -> np.ndarray:
         return np.ascontiguousarray(raw[..., lo:lo + 2]).view(np.float16)[..., 0].astype(
@@ -226,6 +233,28 @@ def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     if kind == "Q4_0":
         q -= 8
     return q.reshape(out, inp), f16(0), f16(2) if kind == "Q4_1" else None
+
+
+def block_quantize(w: np.ndarray, kind: str = "Q4_1"):
+    """An input-major weight [..., in, out] quantized by the `gguf` package to `kind`, as a
+    `quant.BlockQ` (random same-shape weights for benchmarks, where no GGUF travels)."""
+    import jax.numpy as jnp
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from ee_jax.models.quant import BlockQ
+
+    if kind not in BLOCK_TYPES:
+        raise ValueError(f"{kind} is not one of the block types {BLOCK_TYPES}")
+    w = np.asarray(w, np.float32)
+    *lead, inp, out = w.shape
+    t = np.swapaxes(w, -1, -2).reshape(-1, out, inp)
+    parts = [blocks_from_raw(quantize(m, GGMLQuantizationType[kind]), kind, out, inp)
+             for m in t]
+    stack = [None if parts[0][i] is None else
+             jnp.asarray(np.stack([p[i] for p in parts]).reshape(*lead, *parts[0][i].shape))
+             for i in range(3)]
+    return BlockQ(*stack)
 
 
 def _unsupported_type(tensor, source: str) -> UnsupportedModelError:
