@@ -21,6 +21,8 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
             layer n on the first z rows; n += 1
             if n is an exit layer: conf = exits.check_confidence(...)     # one dispatch
                                    rows the policy lets leave record (h, n, logits if computed)
+            (one lax.switch per layer: no check, the first check, a later check; the kind is
+             static inside each branch, so measure "candidates" does not branch again)
     finalise: rows still running leave at L; logits per row (the exit head of the row's exit,
               the final head at L; logits a check already computed are reused);
               back-fill the skipped layers' K/V at this token's slot (`backfill.backfill`)
@@ -38,6 +40,12 @@ i.e. count <= current/2 for power-of-two buckets; otherwise the rows that left s
 as padding (kv_lens 0: they write to the null page and attend to nothing). A step gathers at
 most log2(B) + 1 times. One compiled program per step shape serves every exit pattern, and
 nothing goes back to the host inside the step.
+
+What a check costs (issue 12, shipped SmolLM2 heads, CPU): the first check projects onto the
+8,192-id subset and picks 8 candidates; `exits.top_k` does that without sorting the subset
+(lax.top_k sorted it: 1.3 ms at batch 1, 16 ms at batch 8), and heads holding `vocab_rows`
+(`exits.with_vocab_rows`) skip gathering the 8,192 head rows every step. A later check is
+about fifty small kernels (~50 us at batch 1): its cost is their count, not their arithmetic.
 """
 
 from __future__ import annotations
@@ -152,7 +160,6 @@ class _Loop:
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exits.CheckState  # (c) what a check carries to the next (per row)
     meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
-    first_done: jax.Array  # bool: the step's first check ran
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
@@ -237,8 +244,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     keep_logits = ec.needs_vocab and force is None  # checks compute the exit's logits
     can_exit = jnp.asarray(True) if force is not None else policy.can_exit(thresholds, active)
     checked = checked_layers(ec, L)
-    start = checked[0] if checked else L  # no row can leave before the first check
-    later = np.zeros(L + 1, bool)  # the checks after the first (static; never at L)
+    start = checked[0] if checked else L  # the first check (none if L)
+    later = np.zeros(L + 1, bool)  # the checks after the first (never at L)
     later[list(checked[1:])] = True
     later_table = jnp.asarray(later)
 
@@ -277,7 +284,6 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         running = s.running & ~leave
         return dataclasses.replace(
             s, check=state, checks=checks, running=running, done=done, logits=logits_buf,
-            first_done=s.first_done | first,
             meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
@@ -291,39 +297,32 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
 
     def stage(k: int, s: _Loop, cache: KVCache) -> tuple[_Loop, KVCache]:
         """Layers on the first z = sizes[k] rows, for as long as the running rows do not fit
-        the next bucket: the layers below the first check (no check; the running rows cannot
-        change there), the first check (once per step, in the stage that ran the layer before
-        it), then layers each followed by its later check. Static shapes: no branch over the
-        bucket, and the check kind (first or later) is static, not a branch per check."""
+        the next bucket, each followed by its check if any: the first check, the later ones
+        or none, a static kind per branch (one lax.switch; not a lax.cond per check over the
+        first check's projection). Static shapes: no branch over the bucket."""
         z = sizes[k]
         fits_next = sizes[k + 1] if k + 1 < len(sizes) else 0
 
-        def room(s):
-            return jnp.sum(s.running) > fits_next
-
-        if k:
-            s = compact(s)
-        if start > 0:
-            s, cache = jax.lax.while_loop(lambda c: (c[0].n < start) & room(c[0]),
-                                          functools.partial(layer, z), (s, cache))
-        if start < L:
-            go = (s.n == start) & ~s.first_done & room(s) & can_exit
-            s = jax.lax.cond(go, functools.partial(check, z, True), lambda s: s, s)
+        def cond(c):
+            return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
 
         def body(c):
             s, cache = layer(z, c)
-            is_check = later_table[jnp.minimum(s.n, L)] & can_exit
-            s = jax.lax.cond(is_check, functools.partial(check, z, False), lambda s: s, s)
+            n = jnp.minimum(s.n, L)
+            first = (n == start) if start < L else jnp.asarray(False)
+            kind = jnp.where(can_exit, jnp.where(first, 1, 2 * later_table[n].astype(jnp.int32)),
+                             0)
+            s = jax.lax.switch(kind, [lambda s: s, functools.partial(check, z, True),
+                                      functools.partial(check, z, False)], s)
             return s, cache
 
-        return jax.lax.while_loop(lambda c: (c[0].n < L) & room(c[0]), body, (s, cache))
+        return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
 
     x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               running=active, done=jnp.zeros((B,), bool),
               check=exits.init_check_state(x[:, 0], ec),
               meta=_take_rows(meta, slice(None), active),
-              first_done=jnp.asarray(False),
               h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
