@@ -8,6 +8,15 @@ the default model. Every engine runs the prompts once to compile (excluded), the
 interleaved rounds with EOS ignored (all see the same sequence lengths); the best round's mean
 decode step time is printed with mean executed layers per row and the share of row-layers
 computed.
+
+    python -m bench.policy_steps --step --batch 1 4
+
+`--step`: the decode step alone (`step.model_step` jitted, cache donated, no engine, no host
+work), the shipped heads on random tokens at a context of 200 keys: full depth against the
+exit step whose checks all run and never fire (threshold 1.0) under "all" and "per_row", with
+the subset's LM-head rows gathered once (`exits.with_vocab_rows`, how `ee-jax generate` serves
+them) and gathered in every step. Interleaved rounds; median and best wall ms per step and
+process CPU ms per step (on a shared machine the CPU figure moves less).
 """
 
 from __future__ import annotations
@@ -24,7 +33,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--step", nargs="*", type=int, default=None, metavar="BATCH",
+                   help="time the decode step alone at these batch sizes (see above)")
     args = p.parse_args(argv)
+    if args.step is not None:
+        return step_costs(args.model, args.step or [1, 4], max(args.repeats, 10))
 
     from ee_jax.models.loading import load_model
     from ee_jax.serving.engine import EngineStats
@@ -68,6 +81,76 @@ def main(argv=None) -> int:
         print(f"{name:16s} {1000 * t:6.1f} ms/step ({base / t:.2f}x never)"
               f"  mean layers/row {s.mean_layers_per_row:4.1f}  row-layers computed "
               f"{s.work_fraction:.2f}  rows per exit layer {{{s.row_exit_histogram()}}}")
+    return 0
+
+
+def step_costs(model: str, batches, repeats: int, steps: int = 5, context: int = 200) -> int:
+    """The decode step's cost with checks that never fire, against full depth (--step)."""
+    import functools
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ee_jax.models import exits
+    from ee_jax.models.loading import load_model
+    from ee_jax.serving.attention import AttentionMetadata
+    from ee_jax.serving.kv_cache import allocate_cache
+    from ee_jax.serving.step import FullDepth, policy_for
+
+    m = load_model(model, progress=False)
+    cfg, params = m.config, m.params
+    ec, heads = m.shipped_exit_heads()
+    rows = exits.with_vocab_rows(params, heads, cfg)
+    for B in batches:
+        width = context // 16 + 2
+        table = 1 + np.arange(B * width, dtype=np.int32).reshape(B, width)
+        meta = AttentionMetadata(jnp.full((B, 1), context, jnp.int32), jnp.asarray(table),
+                                 jnp.full((B,), context + 1, jnp.int32))
+        tokens = jnp.asarray(np.random.default_rng(B).integers(3, 1000, (B, 1)), jnp.int32)
+        variants = {"full depth": (FullDepth(), None)}
+        for pol in ("all", "per_row"):
+            policy = policy_for(dataclasses.replace(ec, policy=pol), "decode")
+            variants[f"{pol}, checks never fire"] = (policy, rows)
+            variants[f"{pol}, checks never fire, rows gathered per step"] = (policy, heads)
+        fns, caches, compile_s = {}, {}, {}
+        for name, (policy, hv) in variants.items():
+            @functools.partial(jax.jit, donate_argnums=(1,))
+            def f(params, cache, hv=hv, policy=policy):
+                from ee_jax.serving.step import model_step
+
+                r, cache = model_step(params, hv, cache, tokens, meta,
+                                      jnp.ones((B,), jnp.float32), cfg, policy, "xla")
+                return r.exit_layer, cache
+
+            caches[name] = allocate_cache(cfg, B * width + 1, 16)
+            t = time.perf_counter()
+            out, caches[name] = f(params, caches[name])
+            out.block_until_ready()
+            compile_s[name] = time.perf_counter() - t
+            assert (np.asarray(out) == cfg.n_layers).all(), f"{name}: a row left early"
+            fns[name] = f
+        wall = {k: [] for k in fns}
+        cpu = {k: [] for k in fns}
+        for r in range(repeats):
+            for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(steps):
+                    out, caches[name] = fns[name](params, caches[name])
+                out.block_until_ready()
+                wall[name].append((time.perf_counter() - t0) / steps)
+                cpu[name].append((time.process_time() - c0) / steps)
+        base_w = statistics.median(wall["full depth"])
+        base_c = statistics.median(cpu["full depth"])
+        print(f"batch {B}, context {context}, {repeats} interleaved rounds of {steps} steps "
+              f"(compile s, first call, in brackets)")
+        for name in fns:
+            w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+            print(f"  {name:48s} {1e3 * w:6.1f} ms ({base_w / w:.2f}x), best "
+                  f"{1e3 * min(wall[name]):6.1f}, cpu {1e3 * c:6.1f} ms ({base_c / c:.2f}x) "
+                  f"[{compile_s[name]:.1f}]")
     return 0
 
 
