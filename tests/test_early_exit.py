@@ -637,3 +637,32 @@ def test_smollm2_policy_never_equals_full_depth(smollm2):
         outs[name] = run(engine, prompts, greedy(16))
     assert [o.token_ids for o in outs["never"]] == [o.token_ids for o in outs["full"]]
     assert all(o.exit_layers == [cfg.n_layers] * len(o.token_ids) for o in outs["never"])
+
+
+def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_path):
+    """`ee-jax generate/serve`: exit policy per_row unless --exit-policy says otherwise (under
+    "all" the demo's batch never left early at the shipped threshold); trained heads with a
+    vocabulary subset come with their LM-head rows (`exits.with_vocab_rows`)."""
+    from ee_jax import cli
+    from ee_jax.models.exit_checkpoint import save_exit_heads
+    from ee_jax.random_model import random_model
+
+    model = random_model()
+    args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
+                                          "--exit-layers", "1,2"])
+    assert cli._exit_kwargs(args, model)["exit_config"].policy == "per_row"
+    args.exit_policy = "all"
+    assert cli._exit_kwargs(args, model)["exit_config"].policy == "all"
+    cfg = model.config
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4, measure="candidates",
+                    vocab_subset=40, candidates=4)
+    heads = dict(exits.init_heads(cfg, ec, model.params),
+                 vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    save_exit_heads(tmp_path / "heads", cfg, ec, heads)
+    args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
+                                          "--exit-heads", str(tmp_path / "heads")])
+    kw = cli._exit_kwargs(args, model)
+    assert kw["exit_config"].policy == "per_row"
+    head = np.asarray(llama.unembed(model.params, jnp.eye(cfg.d_model), cfg)).T  # [V, D]
+    np.testing.assert_allclose(np.asarray(kw["exit_heads"]["vocab_rows"]), head[3:43],
+                               rtol=1e-6, atol=1e-6)
