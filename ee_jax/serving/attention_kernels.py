@@ -35,7 +35,9 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 # exp(0) or 0, never NaN (inf - inf).
 _NEG = -1e30
 # xla: keys per chunk of the online softmax, at least _CHUNK_KEYS and at least
-# _CHUNK_ELEMENTS / B (small batches pay more per loop iteration than per key). Chosen on CPU
+# _CHUNK_ELEMENTS / (B * T) (small batches pay more per loop iteration than per key; counted
+# per query, so a prefill step's 32-query blocks take 128-key chunks, not up to 2048 / blocks:
+# a lone prompt's blocks read 512 keys where 128 would do, bench.prefill). Chosen on CPU
 # (bench/attention.py, SmolLM2 shapes, page size 16): 64-128 keys were best at batch 32,
 # larger chunks no worse at batch 1-8, within the noise of a shared 2-core machine.
 _CHUNK_KEYS = 128
@@ -114,12 +116,12 @@ def xla(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     (longest first) and cut into blocks of row_block rows, each attended by its own loop
     (`_flash`) that stops at the block's longest row; outputs go back to the rows' order.
     Fewer rows: one loop over all of them. `chunk_keys` (static; default
-    max(128, 2048 // B), B the whole batch) sets the keys each iteration gathers.
+    max(128, 2048 // (B * T)), B the whole batch) sets the keys each iteration gathers.
     """
     B = _check(q, cache, meta)[0]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if chunk_keys is None:
-        chunk_keys = max(_CHUNK_KEYS, _CHUNK_ELEMENTS // B)
+        chunk_keys = max(_CHUNK_KEYS, _CHUNK_ELEMENTS // (B * q.shape[1]))
     rb = max(_MIN_ROW_BLOCK, B // _ROW_BLOCKS) if row_block is None else int(row_block)
     if rb < 1:
         raise ValueError(f"row_block must be >= 1, got {row_block}")
