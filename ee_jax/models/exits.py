@@ -43,6 +43,7 @@ import numpy as np
 from ee_jax.errors import EEJaxError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.quant import out_major_matmul
 
 HeadType = Literal["norm", "adapter", "mlp"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
@@ -363,7 +364,9 @@ def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: Model
         rows = jax.lax.optimization_barrier(
             jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
             else jnp.take(params["lm_head"], ids, axis=1).T)  # [K, D]
-    return llama.cap_logits(jnp.matmul(xn, rows.T, preferred_element_type=jnp.float32), cfg)
+    # rows are output-major [K, D], as the tied head is: the product the model's own head
+    # uses for them (`quant.out_major_matmul`: E @ x.T at 2-64 rows, 1.7-2x faster on CPU)
+    return llama.cap_logits(out_major_matmul(xn, rows, preferred_element_type=jnp.float32), cfg)
 
 
 def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
