@@ -32,6 +32,9 @@ def assert_batches_equal(got: StepBatch, want: StepBatch) -> None:
             np.testing.assert_array_equal(a, b, err_msg=f"StepBatch.{f.name}")
 
 
+SEEN: dict[int, object] = {}  # every sequence a checked step scheduled (the test clears it)
+
+
 def checked(engine: LLMEngine) -> list[str]:
     """Compare every step the engine prepares with the build from scratch; returns the list
     the kinds of the steps checked are appended to."""
@@ -39,6 +42,10 @@ def checked(engine: LLMEngine) -> list[str]:
     threshold = engine.exit_config.threshold if engine.exit_config else np.inf
 
     def prepare_and_check(schedule, *, latest_unread):
+        if schedule.kind == "decode":  # a prompt token never runs in a (possibly exiting)
+            for row in schedule.rows:  # decode step; its chunk waits for a prefill step
+                assert row.start >= len(row.seq.prompt_token_ids) and row.seq.num_pending == 1
+        SEEN.update({id(r.seq): r.seq for r in schedule.rows})
         want = build_from_scratch(schedule, engine.blocks, threshold)
         got = prepare(schedule, latest_unread=latest_unread)
         assert_batches_equal(got, want)
@@ -99,6 +106,7 @@ def test_persistent_batch_equals_build_from_scratch(seed):
         max_num_batched_tokens=int(rng.integers(1, 64)), batch_buckets=(1, 2, 4, 8),
         async_scheduling=bool(rng.random() < 0.6), mixed_steps=bool(rng.random() < 0.6)))
     engine.runner = FakeRunner(rng)
+    SEEN.clear()
     kinds = checked(engine)
     n_req = 0
     for _ in range(int(rng.integers(20, 120))):
@@ -115,6 +123,9 @@ def test_persistent_batch_equals_build_from_scratch(seed):
         engine.step()
     assert not engine.has_unfinished_requests()
     assert len(kinds) == engine.stats.num_steps
+    # Every preemption reaches a launched step's schedule (and the engine's count).
+    assert engine.stats.num_preemptions == sum(
+        s.metrics.num_preemptions for s in SEEN.values())
     assert len(engine.input_batch) == 0 and engine.input_batch._pages_held == 0
     assert engine.blocks.num_used_pages == 0
 

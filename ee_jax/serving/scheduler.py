@@ -227,6 +227,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (oldest first)
+        self._unreported: list[Sequence] = []  # preempted, not yet on a returned Schedule
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -259,7 +260,13 @@ class Scheduler:
     # -- the decision ------------------------------------------------------------------
 
     def schedule(self) -> Schedule | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        """The next step, or None. Preemptions made while finding a step that then had no
+        rows ride on the next step returned, so none goes unreported."""
+        schedule = self._schedule_prefill() or self._schedule_decode()
+        if schedule is not None and self._unreported:
+            schedule.preempted = self._unreported + schedule.preempted
+            self._unreported = []
+        return schedule
 
     def _schedule_prefill(self) -> Schedule | None:
         cfg = self.config
@@ -327,13 +334,16 @@ class Scheduler:
                     break
             if seq in self.running:
                 self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens)
+                if seq.num_pending > 1 or seq.num_computed < len(seq.prompt_token_ids):
+                    continue  # its prompt chunk (pages now held) runs in a prefill step:
+                    #           a prompt token never goes to a decode step, which may exit
                 rows.append(ScheduledRow(seq, seq.num_computed, 1))
         if not rows:
-            if not preempted:
-                return None
-            schedule = self._schedule_prefill()
+            schedule = self._schedule_prefill() if preempted or self.running else None
             if schedule is not None:
-                schedule.preempted = preempted
+                schedule.preempted = preempted + schedule.preempted
+            else:
+                self._unreported += preempted
             return schedule
         shape = StepShape(self.config.batch_bucket(len(rows)), 1,
                           self.config.page_bucket(max(r.seq.num_tokens for r in rows)),
