@@ -235,9 +235,7 @@ def _exit_kwargs(args, model) -> dict:
     elif layers is None:
         trained = model.shipped_exit_heads()
     if trained is not None:
-        ec, heads = trained
-        # the subset's LM-head rows gathered once, not in every step's first check
-        heads = exits.with_vocab_rows(model.params, heads, model.config)
+        ec, heads = trained  # (the runner gathers the subset's LM-head rows once)
         return {"exit_config": dataclasses.replace(ec, **overrides), "exit_heads": heads}
     if layers is None:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth

@@ -8,6 +8,7 @@ compiles every shape ahead.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.serving.engine import EngineConfig, LLMEngine
@@ -66,3 +67,29 @@ def test_poisson_mixed_run_compiles_nothing_after_precompile():
     assert engine.stats.num_mixed_steps > 0 and len(rows) >= 4, (formed, rows)
     assert engine.runner.traces == traced
     assert compiles == []
+
+
+def test_exit_engine_compiles_each_shape_once():
+    """An exit engine (candidate heads over a vocabulary subset) serving the same requests
+    twice compiles one program per step shape: every argument of the step is committed to
+    the device from the start (the donated cache and derived heads come back committed, and
+    jit keys its programs on that; the second step of each shape compiled again, uncounted)."""
+    from ee_jax.models import exits
+
+    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
+                          measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
+                          policy="per_row")
+    heads = dict(exits.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+        max_num_seqs=4, max_model_len=64, page_size=8, max_prefill_chunk=32,
+        batch_buckets=(1, 2, 4)), exit_config=ec, exit_heads=heads)
+    prompts = [np.random.default_rng(1).integers(3, CFG.vocab_size, n).tolist()
+               for n in (5, 17, 9)]
+    for _ in range(2):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}-{_}", p, greedy(12))
+        while engine.has_unfinished_requests():
+            engine.step()
+    runner = engine.runner
+    assert runner.num_traces == len(runner.traces) >= 2
+    assert runner._step._cache_size() == len(runner.traces)  # one executable per shape

@@ -646,6 +646,7 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     from ee_jax import cli
     from ee_jax.models.exit_checkpoint import save_exit_heads
     from ee_jax.random_model import random_model
+    from ee_jax.serving.llm import LLM
 
     model = random_model()
     args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
@@ -663,6 +664,7 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
                                           "--exit-heads", str(tmp_path / "heads")])
     kw = cli._exit_kwargs(args, model)
     assert kw["exit_config"].policy == "per_row"
+    runner = LLM(model, progress=False, **kw).engine.runner  # how the CLI builds its engine
     head = np.asarray(llama.unembed(model.params, jnp.eye(cfg.d_model), cfg)).T  # [V, D]
-    np.testing.assert_allclose(np.asarray(kw["exit_heads"]["vocab_rows"]), head[3:43],
+    np.testing.assert_allclose(np.asarray(runner.exit_heads["vocab_rows"]), head[3:43],
                                rtol=1e-6, atol=1e-6)

@@ -189,6 +189,8 @@ class ModelRunner:
             if exit_heads is None:
                 exit_heads = exits.init_heads(cfg, exit_config, params)
             exits.check_heads(cfg, exit_config, exit_heads)
+            # The subset's LM-head rows gathered once here, not in every step's first check.
+            exit_heads = exits.with_vocab_rows(params, exit_heads, cfg)
         self.params, self.exit_heads = params, exit_heads
         jit_kw: dict[str, Any] = {}
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
@@ -200,13 +202,20 @@ class ModelRunner:
                     exit_heads, sharding.param_shardings(exit_heads, cfg, mesh))
             rep = sharding.replicated(mesh)
             jit_kw["out_shardings"] = (sharding.cache_sharding(cfg, mesh), rep, rep)
+        else:  # every argument committed to the device from the start (no copy): jit keys
+            # its programs on whether an argument is committed, and the donated cache comes
+            # back committed after the first step (and an exit engine's heads may be), so
+            # the second step of a shape compiled again, uncounted (exit engines' first run)
+            device = jax.local_devices()[0]
+            self.params, self.exit_heads, self.cache = jax.device_put(
+                (self.params, self.exit_heads, self.cache), device)
         self.traces: dict[StepShape, int] = {}
         self.max_batch = max_batch
         # The last step's sampled tokens, on the device, padded to max_batch: the next step
         # reads its decode rows' inputs from here before the host has seen them.
         self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
-        if mesh is not None:
-            self.last_tokens = sharding.shard(self.last_tokens, sharding.replicated(mesh))
+        self.last_tokens = jax.device_put(self.last_tokens, jax.local_devices()[0]) \
+            if mesh is None else sharding.shard(self.last_tokens, sharding.replicated(mesh))
         self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
                              **jit_kw)
 
