@@ -190,7 +190,9 @@ def load_f32(name: str, blocks: bool = True):
     dequantized in the step); blocks=False: every weight a dense f32 array."""
     from ee_jax.models.loading import load_model
 
-    return load_model(name, dtype="float32", progress=False, blocks=blocks)
+    # (only when asked: an older checkout's load_model, bench.poisson --tree, has no blocks)
+    return load_model(name, dtype="float32", progress=False, **({} if blocks else
+                                                                  {"blocks": False}))
 
 
 def smollm2_shaped_config(**overrides):

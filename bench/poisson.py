@@ -363,7 +363,11 @@ def main(argv=None) -> int:
     else:
         m = load_f32(args.model)
         hf = hf_from_gguf(args.model) if "static" in args.modes and args.static == "hf" else None
-        weights = f"{args.model} (GGUF dequantized to f32 by both loaders)"
+        blocks = any(type(a).__name__ == "BlockQ" for a in m.params["layers"].values())
+        weights = (f"{args.model} (f32 arithmetic; ee-jax serves the GGUF's Q4_1 layer "
+                   "weights in their blocks, dequantized in the step to the same f32 values; "
+                   "transformers dequantizes to f32 arrays)" if blocks else
+                   f"{args.model} (GGUF dequantized to f32 by both loaders)")
         shipped = m.shipped_exit_heads()
         if shipped is None and "early" in args.modes:
             raise SystemExit(f"{args.model} ships no exit heads: drop 'early' from --modes")
