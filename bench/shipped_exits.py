@@ -192,9 +192,6 @@ def main(argv=None) -> int:
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",
                    help="also the exit engine at threshold 1.0 (checks run, no exit)")
-    p.add_argument("--gather-rows", action="store_true",
-                   help="gather the vocabulary subset's LM-head rows in every step (as "
-                   "LLM() did before exits.with_vocab_rows) instead of once")
     p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.shipped_exits section is (re)written")
@@ -219,11 +216,7 @@ def main(argv=None) -> int:
         else:
             ec, heads = model.shipped_exit_heads()
             what = f"heads shipped for {args.model}"
-    if not args.gather_rows:  # as `ee-jax generate` serves them
-        from ee_jax.models import exits
-
-        heads = exits.with_vocab_rows(model.params, heads, model.config)
-        what += " (subset rows gathered once)"
+    what += " (subset rows gathered once, by the engine's runner)"
     if args.threshold is not None:
         ec = dataclasses.replace(ec, threshold=args.threshold)
         what += f" (threshold set to {args.threshold} by --threshold)"

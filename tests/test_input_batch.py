@@ -192,28 +192,21 @@ def test_trace_count_bounded():
     """Changing batches through the persistent batch compile each shape once, and the same
     workload again compiles nothing new."""
     engine = make_engine()
-    rng = np.random.default_rng(1)
-    for wave in range(3):
-        for i in range(int(rng.integers(1, 4))):
-            engine.add_request(f"w{wave}-{i}",
-                               rng.integers(3, CFG.vocab_size, int(rng.integers(1, 30))).tolist(),
-                               SamplingParams(max_tokens=int(rng.integers(1, 12)),
-                                              temperature=0.0))
-        for _ in range(int(rng.integers(1, 8))):
+
+    def serve_waves(prefix: str) -> None:
+        rng = np.random.default_rng(1)
+        for wave in range(3):
+            for i in range(int(rng.integers(1, 4))):
+                prompt = rng.integers(3, CFG.vocab_size, int(rng.integers(1, 30))).tolist()
+                engine.add_request(f"{prefix}{wave}-{i}", prompt, SamplingParams(
+                    max_tokens=int(rng.integers(1, 12)), temperature=0.0))
+            for _ in range(int(rng.integers(1, 8))):
+                engine.step()
+        while engine.has_unfinished_requests():
             engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+
+    serve_waves("w")
     compiled = dict(engine.runner.traces)
     assert all(n == 1 for n in compiled.values()), compiled
-    rng = np.random.default_rng(1)
-    for wave in range(3):  # the same arrivals again
-        for i in range(int(rng.integers(1, 4))):
-            engine.add_request(f"again{wave}-{i}",
-                               rng.integers(3, CFG.vocab_size, int(rng.integers(1, 30))).tolist(),
-                               SamplingParams(max_tokens=int(rng.integers(1, 12)),
-                                              temperature=0.0))
-        for _ in range(int(rng.integers(1, 8))):
-            engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    serve_waves("again")  # the same arrivals again
     assert engine.runner.traces == compiled
