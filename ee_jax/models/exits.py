@@ -48,10 +48,12 @@ from ee_jax.models.quant import out_major_matmul
 HeadType = Literal["norm", "adapter", "mlp"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
+Backfill = Literal["propagate", "deferred"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp")
 POLICIES = ("all", "quorum", "never", "per_row")
+BACKFILLS = ("propagate", "deferred")
 NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
 MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
 N_FEATURES = 9  # candidate features per check (`candidate_features`)
@@ -87,6 +89,13 @@ class ExitConfig:
     checks score.
     target_agreement: the teacher-forced agreement with full depth that the shipped threshold
     was calibrated to meet (`ee_jax.training.calibrate`); in (0, 1].
+    backfill: what the skipped layers of a token that left early hold. "propagate" (CALM's
+    state propagation, the reference design's fill): K/V projected from its exit state, for
+    good. "deferred": the same at once, then the row's next decode step runs the token's
+    skipped layers for real beside its own token (one more query per row in the layers
+    above the exit, where the weights are read anyway) and overwrites them with the exact
+    K/V; later tokens then see what full depth would have written, unless that next token
+    leaves early too (the older token then keeps the K/V of its deepest state).
     """
 
     exit_layers: tuple[int, ...] = ()
@@ -102,6 +111,7 @@ class ExitConfig:
     vocab_subset: int = 0
     candidates: int = 8
     target_agreement: float = 0.95
+    backfill: Backfill = "propagate"
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
@@ -119,6 +129,9 @@ class ExitConfig:
         if not (0.0 <= self.threshold <= 1.0 or self.threshold == NEVER):
             raise ExitConfigError(f"threshold must be in [0, 1] (or exits.NEVER), got "
                                   f"{self.threshold}; to disable exits use policy='never'")
+        if self.backfill not in BACKFILLS:
+            raise ExitConfigError(f"unknown backfill {self.backfill!r}; choose one of "
+                                  f"{BACKFILLS}")
         if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
             raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
                                   f"{self.min_row_bucket!r}")
