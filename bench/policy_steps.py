@@ -13,10 +13,11 @@ computed.
 
 `--step`: the decode step alone (`step.model_step` jitted, cache donated, no engine, no host
 work), the shipped heads on random tokens at a context of 200 keys: full depth against the
-exit step whose checks all run and never fire (threshold 1.0) under "all" and "per_row", with
-the subset's LM-head rows gathered once (`exits.with_vocab_rows`, how `ee-jax generate` serves
-them) and gathered in every step. Interleaved rounds; median and best wall ms per step and
-process CPU ms per step (on a shared machine the CPU figure moves less).
+exit step whose checks all run and never fire (threshold 1.0) under "all" and "per_row"
+(back-fill "propagate"), and under "per_row" with back-fill "deferred": with no pending token
+(the cost of the second query a row carries) and with every row completing a token that left
+at layer 20 (its 10 layers run beside the row's own). Interleaved rounds; median and best wall
+ms per step and process CPU ms per step (on a shared machine the CPU figure moves less).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def step_costs(model: str, batches, repeats: int, steps: int = 5, context: int =
     from ee_jax.models.loading import load_model
     from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.kv_cache import allocate_cache
-    from ee_jax.serving.step import FullDepth, policy_for
+    from ee_jax.serving.step import FullDepth, Pending, policy_for
 
     m = load_model(model, progress=False)
     cfg, params = m.config, m.params
@@ -110,19 +111,27 @@ def step_costs(model: str, batches, repeats: int, steps: int = 5, context: int =
         meta = AttentionMetadata(jnp.full((B, 1), context, jnp.int32), jnp.asarray(table),
                                  jnp.full((B,), context + 1, jnp.int32))
         tokens = jnp.asarray(np.random.default_rng(B).integers(3, 1000, (B, 1)), jnp.int32)
-        variants = {"full depth": (FullDepth(), None)}
+        none = Pending.none(B, cfg)
+        from_20 = Pending(jnp.asarray(np.random.default_rng(0).normal(size=(B, cfg.d_model)),
+                                      cfg.jnp_dtype), jnp.full((B,), 20, jnp.int32))
+        variants = {"full depth": (FullDepth(), None, None)}
         for pol in ("all", "per_row"):
-            policy = policy_for(dataclasses.replace(ec, policy=pol), "decode")
-            variants[f"{pol}, checks never fire"] = (policy, rows)
-            variants[f"{pol}, checks never fire, rows gathered per step"] = (policy, heads)
+            policy = policy_for(dataclasses.replace(ec, policy=pol, backfill="propagate"),
+                                "decode")
+            variants[f"{pol}, checks never fire"] = (policy, rows, None)
+        deferred = policy_for(dataclasses.replace(ec, policy="per_row", backfill="deferred"),
+                              "decode")
+        variants["per_row, deferred, nothing pending"] = (deferred, rows, none)
+        variants["per_row, deferred, completing from 20"] = (deferred, rows, from_20)
         fns, caches, compile_s = {}, {}, {}
-        for name, (policy, hv) in variants.items():
+        for name, (policy, hv, pending) in variants.items():
             @functools.partial(jax.jit, donate_argnums=(1,))
-            def f(params, cache, hv=hv, policy=policy):
+            def f(params, cache, hv=hv, policy=policy, pending=pending):
                 from ee_jax.serving.step import model_step
 
                 r, cache = model_step(params, hv, cache, tokens, meta,
-                                      jnp.ones((B,), jnp.float32), cfg, policy, "xla")
+                                      jnp.ones((B,), jnp.float32), cfg, policy, "xla",
+                                      pending=pending)
                 return r.exit_layer, cache
 
             caches[name] = allocate_cache(cfg, B * width + 1, 16)

@@ -7,6 +7,7 @@ engine here uses a single page bucket (page_size 16, max_model_len 64) and few b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 
@@ -405,6 +406,11 @@ def _max_prob(logits):
 def contiguous_reference(heads, ec, prompt, n_new, threshold):
     """Greedy early-exit decoding of one sequence with plain contiguous K/V, no paging.
 
+    Back-fill as `ec.backfill` says: "propagate" fills a token's skipped layers from its exit
+    state; "deferred" also runs them, one layer at a time before the next token's own, from
+    where it left up to where that next token leaves (then it fills the layers still
+    skipped from its state there, if it got deeper).
+
     Returns tokens, exit layers (L for the prefill token), every checked confidence, the
     smallest top-1/top-2 logit gap, and the K/V [L, S, K, hd].
     """
@@ -417,12 +423,23 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
     logits = np.asarray(_final_logits(x[-1]))
     tokens, layers, confs, gaps = [int(logits.argmax())], [L], [], []
     gaps.append(float(np.diff(np.sort(logits)[-2:])[0]))
+    pending = None  # (hidden state [1, D], layers it ran) of the previous token
+
+    def fill(h, pos, first):  # its layers >= first from the state h
+        for j in range(first, L):
+            k, v = _kv(LAYERS[j], h[0], jnp.asarray(pos))
+            kc[j], vc[j] = kc[j].at[pos].set(k), vc[j].at[pos].set(v)
+
     for step in range(1, n_new):
         p = len(prompt) + step - 1
         x = llama.embed(PARAMS, jnp.asarray([tokens[-1]]), CFG)
         h_prev = x[0]
         exit_at, out = L, None
         for i in range(L):
+            if pending is not None and i >= pending[1]:  # the previous token's layer i
+                hp, kc[i], vc[i] = _ref_layer(LAYERS[i], pending[0], jnp.asarray([p - 1]),
+                                              kc[i], vc[i])
+                pending = (hp, i + 1)
             x, kc[i], vc[i] = _ref_layer(LAYERS[i], x, jnp.asarray([p]), kc[i], vc[i])
             n = i + 1
             if n == L or n not in ec.exit_layers or n < ec.min_exit_layer:
@@ -440,9 +457,11 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
                 break
         if out is None:
             out = np.asarray(_final_logits(x[0]))
-        for j in range(exit_at, L):  # back-fill the skipped layers from the exit state
-            k, v = _kv(LAYERS[j], x[0], jnp.asarray(p))
-            kc[j], vc[j] = kc[j].at[p].set(k), vc[j].at[p].set(v)
+        if pending is not None and exit_at < L and pending[1] == exit_at > pending_from:
+            fill(pending[0], p - 1, exit_at)  # got deeper, still incomplete
+        fill(x, p, exit_at)  # back-fill the skipped layers from the exit state
+        pending = (x, exit_at) if ec.backfill == "deferred" and exit_at < L else None
+        pending_from = exit_at
         gaps.append(float(np.diff(np.sort(out)[-2:])[0]))
         tokens.append(int(out.argmax()))
         layers.append(exit_at)
@@ -470,14 +489,21 @@ def saturation_engine():
     return make_engine(ec, perturbed_heads(ec))
 
 
-@pytest.mark.parametrize("measure", ["max_prob", "saturation"])
-def test_engine_matches_contiguous_reference(measure, request):
-    """One sequence (three padding rows in the batch bucket of 4), per-request threshold."""
-    engine = request.getfixturevalue("ee_engine" if measure == "max_prob"
-                                     else "saturation_engine")
+@pytest.fixture(scope="module")
+def deferred_engine():
+    return make_engine(dataclasses.replace(EE_CONFIG, backfill="deferred"), EE_HEADS)
+
+
+@pytest.mark.parametrize("engine_name", ["ee_engine", "saturation_engine", "deferred_engine"])
+def test_engine_matches_contiguous_reference(engine_name, request):
+    """One sequence (three padding rows in the batch bucket of 4), per-request threshold.
+    Back-fill "deferred": the engine's next step completes an early token's layers."""
+    engine = request.getfixturevalue(engine_name)
     ec, heads = engine.exit_config, engine.runner.exit_heads
-    assert ec.measure == measure
+    assert ec.measure == ("saturation" if engine_name == "saturation_engine" else "max_prob")
     thr, (ref_tokens, ref_layers, _, _, (ref_k, ref_v)) = _choose_threshold(ec, heads)
+    if ec.backfill == "deferred":  # some early token's successor ran deeper: it completed
+        assert any(a < b for a, b in zip(ref_layers[1:], ref_layers[2:])), ref_layers
 
     counts_before = collections.Counter(engine.stats.step_exit_counts)
     engine.add_request("ref", REF_PROMPT, greedy(REF_NEW + 1, exit_threshold=thr))

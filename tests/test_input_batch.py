@@ -38,7 +38,7 @@ SEEN: dict[int, object] = {}  # every sequence a checked step scheduled (the tes
 def checked(engine: LLMEngine) -> list[str]:
     """Compare every step the engine prepares with the build from scratch; returns the list
     the kinds of the steps checked are appended to."""
-    prepare, kinds = engine.input_batch.prepare, []
+    prepare, kinds, previous = engine.input_batch.prepare, [], []
     threshold = engine.exit_config.threshold if engine.exit_config else np.inf
 
     def prepare_and_check(schedule, *, latest_unread):
@@ -46,8 +46,9 @@ def checked(engine: LLMEngine) -> list[str]:
             for row in schedule.rows:  # decode step; its chunk waits for a prefill step
                 assert row.start >= len(row.seq.prompt_token_ids) and row.seq.num_pending == 1
         SEEN.update({id(r.seq): r.seq for r in schedule.rows})
-        want = build_from_scratch(schedule, engine.blocks, threshold)
+        want = build_from_scratch(schedule, engine.blocks, threshold, previous)
         got = prepare(schedule, latest_unread=latest_unread)
+        previous.append(schedule)
         assert_batches_equal(got, want)
         kinds.append(schedule.kind)
         return got

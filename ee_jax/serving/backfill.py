@@ -31,16 +31,18 @@ def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
                    meta: AttentionMetadata, first: int = 0) -> KVCache:
     """Write layers >= n_done of the back-filled K/V at this step's slots; the writes of
     layers < n_done go to the null page, so shapes are static and only the token's slots are
-    touched (a scatter, in place). n_done: a scalar (the batch's exit layer) or [B] (each
-    row's); n_done = L writes nothing real.
+    touched (a scatter, in place). n_done: a scalar (the batch's exit layer), [B] (each
+    row's) or [B, T] (each token's); n_done = L writes nothing real.
 
     Kept out of any lax.cond/switch on purpose: a cache that is an operand of a branch can be
     copied whole by XLA (hundreds of MB at batch 8), every step."""
     L = first + ks.shape[0]
     pages, offsets = meta.write_slots(cache.page_size)  # [B, T]
     layer_ids = jnp.arange(first, L, dtype=jnp.int32)
-    n_done = jnp.reshape(jnp.asarray(n_done, jnp.int32), (-1, 1))  # [1 or B, 1]
-    skipped = layer_ids[:, None, None] >= n_done[None]  # [L - first, 1 or B, 1]
+    n_done = jnp.asarray(n_done, jnp.int32)
+    if n_done.ndim < 2:
+        n_done = jnp.reshape(n_done, (-1, 1))  # [1 or B, 1]; else per token [B, T]
+    skipped = layer_ids[:, None, None] >= n_done[None]  # [L - first, 1 or B, 1 or T]
     pages = jnp.where(skipped, pages[None], NULL_PAGE)  # [L - first, B, T]
     layer_idx = jnp.broadcast_to(layer_ids[:, None, None], pages.shape)
     offsets = jnp.broadcast_to(offsets[None], pages.shape)

@@ -43,18 +43,22 @@ PENDING = -1  # a sampled token the host has not read yet (overlapped steps)
  _FORCED,  # teacher forcing: the host knows every token at launch
  _TOKENS,  # prompt + sampled tokens, PENDING ones included
  _SAMPLED,  # tokens sampled so far: the next sample's index
- _SEED, _TOP_K, _TEMPERATURE, _TOP_P, _THRESHOLD) = range(12)
-_NUM_FIELDS = 12
+ _SEED, _TOP_K, _TEMPERATURE, _TOP_P, _THRESHOLD,
+ _DEC_ROW,  # its row in the last decode step that ran it ...
+ _DEC_AT,  # ... and that step's launch number (-1: none; back-fill "deferred")
+ ) = range(14)
+_NUM_FIELDS = 14
 _PAD = 0  # slot 0 holds a padding row's inputs; requests take slots 1, 2, ...
 _NONE = np.zeros(0, np.int32)  # a decode step's (empty) query-block arrays
 
 
 def _column(*, computed=0, capacity=0, src=-1, at=-1, forced=False, tokens=0, sampled=0, seed=0,
-            top_k=0, temperature=0.0, top_p=1.0, threshold=0.0) -> np.ndarray:
+            top_k=0, temperature=0.0, top_p=1.0, threshold=0.0, dec_row=-1, dec_at=-1
+            ) -> np.ndarray:
     """One slot's state (the defaults: a padding row's inputs, as `StepBatch.empty`)."""
     floats = np.array([temperature, top_p, threshold], np.float32).view(np.int32)
     return np.array([computed, capacity, src, at, forced, tokens, sampled, seed, top_k,
-                     *floats], np.int32)
+                     *floats, dec_row, dec_at], np.int32)
 
 
 class InputBatch:
@@ -74,6 +78,7 @@ class InputBatch:
         self.state = _column()[:, None]  # [fields, 1 + slots]
         self.page_table = np.full((1, blocks.max_pages_per_seq), NULL_PAGE, np.int32)  # [S, W]
         self.num_launches = 0  # steps prepared so far (each is launched)
+        self.last_decode = -1  # the launch number of the latest decode step
         self._pages_held = 0  # pages in the slots' tables; the BlockManager counts the same
         self._untracked_pages = 0  # pages the BlockManager holds for requests without a slot
         self._resize(1 + max(1, max_num_seqs))
@@ -187,7 +192,10 @@ class InputBatch:
                       seeds=g[_SEED], sample_idx=g[_SAMPLED], top_k=g[_TOP_K],
                       temperature=g[_TEMPERATURE].view(np.float32),
                       top_p=g[_TOP_P].view(np.float32),
-                      threshold=g[_THRESHOLD].view(np.float32), src_row=src)
+                      threshold=g[_THRESHOLD].view(np.float32), src_row=src,
+                      pend_row=np.where((g[_DEC_AT] == self.last_decode) & (g[_DEC_AT] >= 0)
+                                        & (schedule.kind == "decode"), g[_DEC_ROW], -1
+                                        ).astype(np.int32))
         # Advance as `LLMEngine._launch` advances the requests: K/V up to kv_len; a row
         # that reaches its request's last token samples the next one, at this row.
         new = self.state[:, idx[:n]]  # a copy, with the pages just taken
@@ -196,6 +204,10 @@ class InputBatch:
         new[_TOKENS:_SAMPLED + 1] += samples
         np.copyto(new[_SRC], np.arange(n, dtype=np.int32), where=samples)
         np.copyto(new[_AT], self.num_launches, where=samples > new[_FORCED])  # not forced
+        new[_DEC_ROW] = np.arange(n, dtype=np.int32)
+        new[_DEC_AT] = self.num_launches if schedule.kind == "decode" else -1
+        if schedule.kind == "decode":
+            self.last_decode = self.num_launches
         self.state[:, idx[:n]] = new
         self.num_launches += 1
         return b
@@ -255,12 +267,23 @@ class InputBatch:
         return tokens, positions, kv, src, (block_tokens, block_positions, block_rows)
 
 
-def build_from_scratch(schedule: Schedule, blocks: BlockManager,
-                       default_threshold: float) -> StepBatch:
+def build_from_scratch(schedule: Schedule, blocks: BlockManager, default_threshold: float,
+                       previous: list[Schedule] | None = None) -> StepBatch:
     """The step's inputs built row by row from the requests and the BlockManager alone (the
     engine's build before the persistent batch): the oracle `InputBatch.prepare` is tested
-    against. Call it before the step is launched."""
+    against. Call it before the step is launched; `previous`: the schedules launched before
+    it, oldest first (pend_row: a row's place in the latest decode step, unless a prefill
+    step ran it since)."""
     b = StepBatch.empty(schedule.shape)
+    since: set[int] = set()  # sequences a prefill step ran since the latest decode step
+    for prev in reversed(previous or [] if schedule.kind == "decode" else []):
+        if prev.kind == "decode":
+            before = {id(row.seq): r for r, row in enumerate(prev.rows)}
+            for r, row in enumerate(schedule.rows):
+                if id(row.seq) not in since:
+                    b.pend_row[r] = before.get(id(row.seq), -1)
+            break
+        since.update(id(row.seq) for row in prev.rows)
     W = schedule.shape.pages
     off = 0  # next free query block
     for r, row in enumerate(schedule.rows):

@@ -23,7 +23,7 @@ from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
-from ee_jax.serving.step import model_step, policy_for
+from ee_jax.serving.step import Pending, model_step, policy_for
 
 # Tokens per query block of a ragged prefill step (architecture.md section 5): each row's
 # chunk but its last token is padded to a multiple of this, so a block belongs to one row.
@@ -74,7 +74,7 @@ class StepShape:
                 ("block_positions", N), ("block_rows", N // QUERY_BLOCK),
                 ("page_table", B * W), ("kv_lens", B), ("seeds", B), ("sample_idx", B),
                 ("top_k", B), ("temperature", B), ("top_p", B), ("threshold", B),
-                ("src_row", B))
+                ("src_row", B), ("pend_row", B))
 
     @property
     def size(self) -> int:
@@ -102,6 +102,10 @@ class StepBatch:
     # [B] int32: rows whose token the previous step sampled and the host has not read yet
     # take it from that step's device result, row src_row; -1: `tokens` holds it
     src_row: np.ndarray
+    # [B] int32: the row's previous token was row pend_row of the latest decode step, and no
+    # prefill step ran the row since (back-fill "deferred" completes that token here if it
+    # left early); -1: it was not
+    pend_row: np.ndarray
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepBatch:
@@ -112,7 +116,8 @@ class StepBatch:
                    np.full((B, W), NULL_PAGE, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.int32),
                    np.zeros(B, np.int32), np.zeros(B, np.float32), np.ones(B, np.float32),
-                   np.zeros(B, np.float32), np.full(B, -1, np.int32))
+                   np.zeros(B, np.float32), np.full(B, -1, np.int32),
+                   np.full(B, -1, np.int32))
 
     def pack(self) -> np.ndarray:
         """Everything in one int32 buffer: one host-to-device transfer per step."""
@@ -201,7 +206,7 @@ class ModelRunner:
                 self.exit_heads = sharding.shard(
                     exit_heads, sharding.param_shardings(exit_heads, cfg, mesh))
             rep = sharding.replicated(mesh)
-            jit_kw["out_shardings"] = (sharding.cache_sharding(cfg, mesh), rep, rep)
+            jit_kw["out_shardings"] = (sharding.cache_sharding(cfg, mesh), rep, rep, rep)
         else:  # every argument committed to the device from the start (no copy): jit keys
             # its programs on whether an argument is committed, and the donated cache comes
             # back committed after the first step (and an exit engine's heads may be), so
@@ -214,13 +219,17 @@ class ModelRunner:
         # The last step's sampled tokens, on the device, padded to max_batch: the next step
         # reads its decode rows' inputs from here before the host has seen them.
         self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
-        self.last_tokens = jax.device_put(self.last_tokens, jax.local_devices()[0]) \
-            if mesh is None else sharding.shard(self.last_tokens, sharding.replicated(mesh))
+        # The latest step's tokens that left early, for back-fill "deferred": the next decode
+        # step runs their skipped layers beside the rows' own tokens (step.Pending).
+        self.pending = Pending.none(max_batch, cfg)
+        self.last_tokens, self.pending = jax.device_put(
+            (self.last_tokens, self.pending), jax.local_devices()[0]) if mesh is None else \
+            sharding.shard((self.last_tokens, self.pending), sharding.replicated(mesh))
         self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
                              **jit_kw)
 
     def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
-                   last_tokens: jax.Array):
+                   last_tokens: jax.Array, pending: Pending):
         self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
         inp = unpack(shape, buf)
         tokens = inp["tokens"]
@@ -236,15 +245,26 @@ class ModelRunner:
                                  inp["block_positions"] if blocks else None,
                                  inp["block_rows"] if blocks else None)
         policy = policy_for(self.exit_config, shape.kind)
+        prev = inp["pend_row"]  # rows of the latest decode step, or -1
+        at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
+        rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
+                                                        self.cfg.n_layers))
         result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
                                    self.cfg, policy, self.attention,
-                                   block_tokens=inp["block_tokens"] if blocks else None)
+                                   block_tokens=inp["block_tokens"] if blocks else None,
+                                   pending=rows_pending)
         sampled = sample(result.logits, sampling_tensors(inp))
         logprobs = token_logprobs(result.logits, sampled)
         last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
+        if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
+            # tokens where they are (its rows' own are dropped: InputBatch never asks again)
+            pending = Pending.none(last_tokens.shape[0], self.cfg)
+            pending = Pending(pending.h.at[:shape.batch].set(result.pending.h),
+                              pending.layer.at[:shape.batch].set(result.pending.layer))
         return cache, pack_results(sampled, logprobs, result.exit_layer,
                                    *(jnp.broadcast_to(a, sampled.shape)
-                                     for a in (result.checks, result.work))), last_tokens
+                                     for a in (result.checks, result.work))), last_tokens, \
+            pending
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step without waiting for it; returns the device result (read it with
@@ -268,8 +288,9 @@ class ModelRunner:
         else:
             dev = sharding.shard(buf, sharding.replicated(self.mesh))
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-            self.cache, out, self.last_tokens = self._step(
-                shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens)
+            self.cache, out, self.last_tokens, self.pending = self._step(
+                shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens,
+                self.pending)
         return out
 
     def follow(self) -> int:
@@ -295,7 +316,7 @@ class ModelRunner:
         buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
-                             self.last_tokens).compile()
+                             self.last_tokens, self.pending).compile()
 
     @property
     def num_traces(self) -> int:

@@ -67,6 +67,22 @@ from ee_jax.serving.paged_model import paged_layer
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Pending:
+    """Each row's previous token while its skipped layers hold propagated K/V (ExitConfig
+    .backfill "deferred"): the row's next decode step runs those layers for that token too,
+    one more query per row at position (the row's position - 1), and writes the exact K/V."""
+
+    h: jax.Array  # [B, D] its hidden state after `layer` layers
+    layer: jax.Array  # [B] int32: layers it has run; L (n_layers): nothing pending
+
+    @classmethod
+    def none(cls, batch: int, cfg: ModelConfig) -> Pending:
+        return cls(jnp.zeros((batch, cfg.d_model), cfg.jnp_dtype),
+                   jnp.full((batch,), cfg.n_layers, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """What every step returns, whatever the policy."""
 
@@ -75,6 +91,7 @@ class StepResult:
     #                        0 for padding rows)
     checks: jax.Array  # int32: exit checks that projected onto the vocabulary (their cost)
     work: jax.Array  # int32: row-layers computed (rows a layer ran on, summed over layers)
+    pending: Pending  # what the rows' next decode step completes (nothing unless "deferred")
 
 
 # --------------------------------------------------------------------------- policies
@@ -156,6 +173,7 @@ class _Loop:
     n: jax.Array  # int32: layers run
     x: jax.Array  # (c) [B, 1, D] hidden states
     perm: jax.Array  # (c) [B] int32: original row of each slot
+    pend: jax.Array  # (c) [B] int32: layers the row's pending token has run (L: none)
     running: jax.Array  # (c) [B] bool
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exits.CheckState  # (c) what a check carries to the next (per row)
@@ -184,10 +202,14 @@ def _rows(tree, rows):
 def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
                meta: AttentionMetadata, thresholds: jax.Array, cfg: ModelConfig,
                policy: Policy, attention: str = "reference",
-               block_tokens: jax.Array | None = None) -> tuple[StepResult, KVCache]:
+               block_tokens: jax.Array | None = None, pending: Pending | None = None
+               ) -> tuple[StepResult, KVCache]:
     """The one step. tokens: [B, 1], each row's token (the one whose logits are sampled);
     block_tokens: [N] the rest of a prefill step's chunks in query blocks (`meta.has_blocks`);
-    thresholds: [B] f32 (policies with checks: decode, one token per row, no blocks)."""
+    thresholds: [B] f32 (policies with checks: decode, one token per row, no blocks);
+    pending: the previous decode step's `StepResult.pending`, in this step's row order
+    (policies with checks under backfill "deferred"; any other step drops it, leaving the
+    propagated K/V in place)."""
     if meta.has_blocks != (block_tokens is not None):
         raise ValueError("block_tokens and meta's query blocks come together")
     if tokens.shape[1] != 1:
@@ -198,7 +220,8 @@ def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
     if block_tokens is not None:
         raise ValueError("exit policies decode one token per row; prompt chunks run at full "
                          "depth (StepShape.kind='prefill')")
-    return _with_checks(params, heads, cache, tokens, meta, thresholds, cfg, policy, attention)
+    return _with_checks(params, heads, cache, tokens, meta, thresholds, cfg, policy, attention,
+                        pending)
 
 
 def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
@@ -220,8 +243,8 @@ def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
     logits = llama.final_head(params, h, cfg)
     active = meta.kv_lens > 0
     return StepResult(logits=logits, exit_layer=jnp.where(active, L, 0).astype(jnp.int32),
-                      checks=jnp.asarray(0, jnp.int32),
-                      work=jnp.asarray(B * L, jnp.int32)), cache
+                      checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(B * L, jnp.int32),
+                      pending=Pending.none(B, cfg)), cache
 
 
 def checked_layers(ec: exits.ExitConfig, n_layers: int) -> tuple[int, ...]:
@@ -233,10 +256,23 @@ def checked_layers(ec: exits.ExitConfig, n_layers: int) -> tuple[int, ...]:
     return tuple(e for e in ec.exit_layers if ec.min_exit_layer <= e < n_layers)
 
 
+def _with_pending(meta: AttentionMetadata, x: jax.Array, pending: Pending
+                  ) -> tuple[AttentionMetadata, jax.Array]:
+    """Two queries a row, (the pending token, the row's own): positions [B, 2] and x [B, 2, D].
+    Which layers the pending query runs is decided per layer (`_Loop.pend`)."""
+    pos = meta.positions  # [B, 1]
+    meta = dataclasses.replace(meta, positions=jnp.concatenate([jnp.maximum(pos - 1, 0), pos],
+                                                               axis=1))
+    return meta, jnp.concatenate([pending.h[:, None].astype(x.dtype), x], axis=1)
+
+
 def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfig,
-                 policy: BatchExit | PerRow, attention: str):
+                 policy: BatchExit | PerRow, attention: str, pending: Pending | None):
     ec = policy.ec
     L, B = cfg.n_layers, tokens.shape[0]
+    deferred = ec.backfill == "deferred"
+    if pending is None or not deferred:
+        pending = Pending.none(B, cfg)
     sizes = policy.stages(B)
     table = jnp.asarray(ec.exit_index_table(L))
     active = meta.kv_lens > 0  # padding rows have no keys: they never run
@@ -254,14 +290,15 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         order = jnp.argsort(~s.running, stable=True)
         perm, running = s.perm[order], s.running[order]
         return dataclasses.replace(
-            s, x=s.x[order], perm=perm, running=running, done=s.done[order],
+            s, x=s.x[order], perm=perm, pend=s.pend[order], running=running,
+            done=s.done[order],
             check=_rows(s.check, order), meta=_take_rows(meta, perm, running))
 
     def check(z: int, first: bool, s: _Loop) -> _Loop:
         """Exit check over the first z rows (z: the stage's bucket; the rest are padding);
         `first` (static): the step's first check (measure "candidates" picks its candidates
         there), else one of the later ones."""
-        n, h = s.n, s.x[:, 0]
+        n, h = s.n, s.x[:, -1]  # the row's own token (the last query)
         checks, logits_buf = s.checks, s.logits
         if force is not None:
             confident = jnp.broadcast_to(n == force, (B,))
@@ -288,10 +325,24 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
 
-    def layer(z: int, c):
+    def layer(z: int, pending_runs: bool, c):
+        """Layer n on the first z rows; `pending_runs` (static): with the pending query (else
+        the rows' own queries alone, as without "deferred")."""
         s, cache = c
         mz = s.meta if z == B else _take_rows(s.meta, slice(0, z), True)
-        y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+        if not deferred:
+            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+        elif not pending_runs:
+            own = dataclasses.replace(mz, positions=mz.positions[:, 1:])
+            y, cache = paged_layer(params, s.n, s.x[:z, 1:], cache, own, cfg, attention)
+            y = jnp.concatenate([s.x[:z, :1], y], axis=1)
+        else:  # the pending query runs the layers its token skipped; elsewhere its
+            # position is made invalid (>= kv_len): it writes nothing and keeps its state
+            runs = (s.pend[:z] <= s.n) & s.running[:z]  # [z]
+            mz = dataclasses.replace(mz, positions=mz.positions.at[:, 0].set(
+                jnp.where(runs, mz.positions[:, 0], mz.kv_lens)))
+            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+            y = y.at[:, 0].set(jnp.where(runs[:, None], y[:, 0], s.x[:z, 0]))
         return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
                                    work=s.work + z), cache
 
@@ -306,8 +357,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         def cond(c):
             return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
 
-        def body(c):
-            s, cache = layer(z, c)
+        def body(pending_runs: bool, c):
+            s, cache = layer(z, pending_runs, c)
             n = jnp.minimum(s.n, L)
             first = (n == start) if start < L else jnp.asarray(False)
             kind = jnp.where(can_exit, jnp.where(first, 1, 2 * later_table[n].astype(jnp.int32)),
@@ -316,14 +367,21 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                                       functools.partial(check, z, False)], s)
             return s, cache
 
-        return jax.lax.while_loop(cond, body, (compact(s) if k else s, cache))
+        c = (compact(s) if k else s, cache)
+        if deferred:  # below the lowest pending token of a running row, one query a row
+            lowest = jnp.min(jnp.where(c[0].running, c[0].pend, L))
+            c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < lowest),
+                                   functools.partial(body, False), c)
+        return jax.lax.while_loop(cond, functools.partial(body, deferred), c)
 
     x = llama.embed(params, tokens, cfg)  # [B, 1, D]
+    if deferred:
+        meta, x = _with_pending(meta, x, pending)  # [B, 2], [B, 2, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
-              running=active, done=jnp.zeros((B,), bool),
-              check=exits.init_check_state(x[:, 0], ec),
+              pend=jnp.where(active, pending.layer, L), running=active,
+              done=jnp.zeros((B,), bool), check=exits.init_check_state(x[:, -1], ec),
               meta=_take_rows(meta, slice(None), active),
-              h_exit=x[:, 0], exit_layer=jnp.full((B,), L, jnp.int32),
+              h_exit=x[:, -1], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
     if len(sizes) > 1:
@@ -332,16 +390,30 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         s, cache = stage(k, s, cache)
 
     # Rows that ran to the end leave at L with their final hidden state.
-    h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, 0], mode="drop")
+    h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, -1], mode="drop")
     exit_layer = jnp.where(active, s.exit_layer, 0)
     left = active & (exit_layer < L)
     logits = _exit_logits(params, heads, h_exit, exit_layer, active, s, table, cfg, policy,
                           keep_logits)
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
-    cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, ec.first_exit or 0,
-                     any_exit=jnp.any(left))
-    return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
-                      work=s.work), cache
+    first = ec.first_exit or 0
+    if not deferred:
+        cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
+                         any_exit=jnp.any(left))
+        return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
+                          work=s.work, pending=Pending.none(B, cfg)), cache
+    # The pending token ran every layer its row ran above its own progress: complete if the
+    # row ran to L. If the row left early at e above that progress, the row's own token
+    # becomes the pending one and the older token's layers >= e get K/V propagated from its
+    # state at e (its deepest), overwriting those propagated from where it left.
+    old = jnp.zeros((B,), jnp.int32).at[s.perm].set(s.pend)  # original row order
+    h_old = jnp.zeros_like(h_exit).at[s.perm].set(s.x[:, 0])
+    refill = left & (exit_layer > old)
+    n_done = jnp.stack([jnp.where(refill, exit_layer, L), n_done], axis=1)  # [B, 2]
+    cache = backfill(params, cache, jnp.stack([h_old, h_exit], axis=1), n_done, meta, cfg,
+                     first, any_exit=jnp.any(left))
+    return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
+                      pending=Pending(h_exit, jnp.where(left, exit_layer, L))), cache
 
 
 def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
