@@ -185,11 +185,17 @@ SERVED_RULE = ("served: per group (instructions, code, everyday chat), Learn-the
 
 
 def served_calibration(tables: Mapping[str, CalibrationTable], target_agreement: float,
-                       delta: float = DEFAULT_DELTA, command: str | None = None) -> dict:
+                       delta: float = DEFAULT_DELTA, command: str | None = None,
+                       backfill: str | None = None) -> dict:
     """A calibration.json for served tables (`tune.served_tables`): the rule, the target, the
     per-group picks and the tables, read back by `threshold_from_json` like the dense ones
-    (the threshold is the groups' highest, `pick_threshold_groups`)."""
+    (the threshold is the groups' highest, `pick_threshold_groups`). backfill: the
+    `ExitConfig.backfill` the tables were served with (served agreement depends on it, so
+    shipping the pick ships it too)."""
     check_target(target_agreement, delta)
+    if backfill is not None and backfill not in exits.BACKFILLS:
+        raise exits.ExitConfigError(f"unknown backfill {backfill!r}; choose one of "
+                                    f"{exits.BACKFILLS}")
     picks = {g: pick_threshold(t, target_agreement, delta) for g, t in tables.items()}
     res = {"rule": SERVED_RULE, "measure": "served", "target_agreement": target_agreement,
            "delta": delta, "confidence": 1.0 - delta,
@@ -197,14 +203,17 @@ def served_calibration(tables: Mapping[str, CalibrationTable], target_agreement:
            "picks": picks, "groups": {g: t.to_json() for g, t in tables.items()}}
     if command is not None:
         res["command"] = command
+    if backfill is not None:
+        res["backfill"] = backfill
     return res
 
 
 def ship_calibration(heads_dir, cal: dict) -> None:
     """Make `cal` the shipped calibration of the heads in `heads_dir`: calibration.json
     becomes `cal` (the tables it replaces kept under "previous" when they were dense), and
-    exit_config.json's threshold and target agreement become `cal`'s, so `load_exit_heads`
-    serves them by default. The heads' arrays are not touched."""
+    exit_config.json's threshold and target agreement (and back-fill, when `cal` records the
+    one its tables were served with) become `cal`'s, so `load_exit_heads` serves them by
+    default. The heads' arrays are not touched."""
     import json
     from pathlib import Path
 
@@ -228,6 +237,8 @@ def ship_calibration(heads_dir, cal: dict) -> None:
     meta = json.loads((heads_dir / CONFIG).read_text())
     meta["exit_config"]["threshold"] = cal["threshold"]
     meta["exit_config"]["target_agreement"] = cal["target_agreement"]
+    if "backfill" in cal:
+        meta["exit_config"]["backfill"] = cal["backfill"]
     (heads_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -258,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/served_calibration.json")
     ap.add_argument("--tables", help="with --served: served tables written before (an --out "
                                      "file); re-pick from them instead of decoding")
+    ap.add_argument("--backfill", choices=exits.BACKFILLS,
+                    help="with --served: serve the answers with this back-fill (default: the "
+                         "heads' own)")
     ap.add_argument("--ship", action="store_true",
                     help="with --served: write the pick into the heads folder (calibration.json "
                          "and exit_config.json's threshold)")
@@ -273,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.loads(Path(a.tables).read_text())
             tables = {g: CalibrationTable.from_json(t) for g, t in saved["groups"].items()}
             command += f" (tables made by: {saved.get('command', 'unrecorded')})"
+            backfill = saved.get("backfill")
         else:
             from ee_jax.models.exit_checkpoint import load_exit_heads
             from ee_jax.models.loading import load_model
@@ -280,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
 
             model = load_model(tc.model, dtype="float32", progress=False)
             ec, heads = load_exit_heads(heads_dir, model.config)
+            if a.backfill:
+                ec = dataclasses.replace(ec, backfill=a.backfill)
             tables = served_tables(model, ec, heads, calibration_answers(tc, model),
                                    a.thresholds, batch=a.batch)
-        res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command)
+            backfill = ec.backfill
+        res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command,
+                                 backfill)
         if not a.tables:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
