@@ -144,11 +144,12 @@ def test_block_top_k_is_lax_top_k(shape, k, levels, seed):
 
 
 def test_vocab_rows_gathered_once_change_nothing():
-    """Heads holding the subset's LM-head rows (`with_vocab_rows`) score, decide and pass
-    `check_heads` exactly as heads that gather them per call."""
+    """Heads holding the subset's LM-head rows (`with_vocab_rows`, f32 search) score, decide
+    and pass `check_heads` exactly as heads that gather them per call. (The int8 candidate
+    search: tests/test_exit_candidates.py.)"""
     for cfg, params in ((CFG, PARAMS), (TIED_CFG, TIED_PARAMS)):
         ec, heads = subset_heads(cfg, params)
-        rows = exits.with_vocab_rows(params, heads, cfg)
+        rows = exits.with_vocab_rows(params, heads, cfg, candidate_dtype=None)
         exits.check_heads(cfg, ec, rows)
         np.testing.assert_array_equal(
             np.asarray(rows["vocab_rows"]),

@@ -224,9 +224,10 @@ def candidate_case(exit_layers):
 @pytest.mark.parametrize("exit_layers", [(1, 2, 3), (2, 3)], ids=["exits123", "exits23"])
 def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_layers):
     """The step's checks (first check outside the loop, later checks in it, vocabulary rows
-    gathered once or per step) decide exactly as `check_confidence` chained over the exits
-    on the dense hidden states, under per_row and all; with checks run but no exit taken
-    (threshold 1.0) or none run (NEVER), the logits are full depth's."""
+    gathered once or per step, candidates searched in f32 or int8) decide exactly as
+    `check_confidence` chained over the exits with the same heads on the dense hidden states,
+    under per_row and all; with checks run but no exit taken (threshold 1.0) or none run
+    (NEVER), the logits are full depth's."""
     ec, heads = candidate_case(exit_layers)
     B = len(STEP_ROWS)
     tokens = jnp.asarray([[tok] for _, _, tok in STEP_ROWS], jnp.int32)
@@ -237,16 +238,24 @@ def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_l
     meta = AttentionMetadata(jnp.asarray([[ref["pos"]] for ref in refs], jnp.int32),
                              jnp.asarray(table),
                              jnp.asarray([ref["pos"] + 1 for ref in refs], jnp.int32))
-    conf = np.zeros((B, len(exit_layers)), np.float32)  # the reference: chained checks
-    for r, ref in enumerate(refs):
-        state = exits.init_check_state(llama.embed(PARAMS, tokens[r], CFG), ec)
-        for s, e in enumerate(exit_layers):
-            c, _, state = exits.check_confidence(PARAMS, heads, s, jnp.asarray(
-                ref["hidden"][e - 1])[None], state, CFG, ec)
-            conf[r, s] = float(c[0])
+    def chained(hv):  # the reference: chained checks with the same heads
+        conf = np.zeros((B, len(exit_layers)), np.float32)
+        for r, ref in enumerate(refs):
+            state = exits.init_check_state(llama.embed(PARAMS, tokens[r], CFG), ec)
+            for s, e in enumerate(exit_layers):
+                c, _, state = exits.check_confidence(PARAMS, hv, s, jnp.asarray(
+                    ref["hidden"][e - 1])[None], state, CFG, ec)
+                conf[r, s] = float(c[0])
+        return conf
+
+    # gathered per step; gathered once (f32 search); gathered once, int8 search (the default)
+    variants = [heads, exits.with_vocab_rows(PARAMS, heads, CFG, candidate_dtype=None),
+                exits.with_vocab_rows(PARAMS, heads, CFG)]
+    confs = [chained(hv) for hv in variants]
+    conf = confs[0]
     assert conf.min() < 0.9 and conf.max() > 0.1, conf  # the thresholds below mean something
 
-    def expect(thr, policy):
+    def expect(thr, policy, conf):
         first = [next((e for e, c in zip(exit_layers, conf[r], strict=True) if c >= thr[r]),
                       L) for r in range(B)]
         if policy == "all":
@@ -257,17 +266,19 @@ def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_l
                   for r, e in enumerate(first)]
         return first, np.stack([np.asarray(x) for x in logits])
 
-    # per row: leave just below its confidence at exit j (row r: j = r mod exits), 1.0, NEVER
-    picked = np.asarray([conf[r, r % len(exit_layers)] - 1e-4 for r in range(B)], np.float32)
-    cases = [picked, np.full(B, 1.0, np.float32), np.full(B, NEVER, np.float32),
-             np.zeros(B, np.float32)]
     for policy in ("per_row", "all"):
         pol = policy_for(dataclasses.replace(ec, policy=policy), "decode")
-        for hv in (heads, exits.with_vocab_rows(PARAMS, heads, CFG)):
+        for hv, conf in zip(variants, confs, strict=True):
+            # per row: leave just below its confidence at exit j (row r: j = r mod exits),
+            # 1.0, NEVER, 0
+            picked = np.asarray([conf[r, r % len(exit_layers)] - 1e-4 for r in range(B)],
+                                np.float32)
+            cases = [picked, np.full(B, 1.0, np.float32), np.full(B, NEVER, np.float32),
+                     np.zeros(B, np.float32)]
             for thr in cases:
                 cache = KVCache(jnp.asarray(step_case["k0"]), jnp.asarray(step_case["v0"]))
                 result, _ = _model_step_jit(hv, cache, tokens, meta, jnp.asarray(thr), pol)
-                want_layers, want_logits = expect(thr, policy)
+                want_layers, want_logits = expect(thr, policy, conf)
                 assert np.asarray(result.exit_layer).tolist() == want_layers, (policy, thr)
                 np.testing.assert_allclose(np.asarray(result.logits), want_logits, atol=2e-4,
                                            rtol=2e-4, err_msg=f"{policy} {thr}")

@@ -33,6 +33,7 @@ def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
                     overwrite: bool = True, calibration: dict | None = None) -> Path:
     import orbax.checkpoint as ocp
 
+    heads = exits.without_derived(heads)  # LM-head rows held for serving are not saved
     exits.check_heads(cfg, ec, heads)
     path = Path(path).absolute()
     if path.exists():

@@ -314,29 +314,70 @@ def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
     return dict(heads, vocab=jnp.asarray(ids))
 
 
-def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig) -> dict:
-    """heads plus `vocab_rows` [K, D]: the LM head's rows at the subset's ids, gathered once.
+CANDIDATE_DTYPES = ("int8",)  # `with_vocab_rows(candidate_dtype=...)`; None: exact search
+# Leaves `with_vocab_rows` derives from the model's LM head: held for serving, never saved.
+DERIVED_LEAVES = ("vocab_rows", "vocab_rows_q", "vocab_rows_scale")
 
-    Derived, never saved (`head_shapes` does not hold it; `check_heads` accepts it). Serving
-    should hold it: inside a step, gathering K = 8,192 rows of the 49,152 x 576 head costs
-    more than the projection itself on CPU (and XLA fuses the gather into the product as a
-    slow reduction at batch 1), every first check and every exit head. Heads without a
-    subset are returned as they are."""
+
+def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
+                    candidate_dtype: str | None = "int8") -> dict:
+    """heads plus `vocab_rows` [K, D]: the LM head's rows at the subset's ids, gathered once;
+    with candidate_dtype "int8" (the default) also `vocab_rows_q` [K, D] int8 and
+    `vocab_rows_scale` [K] f32, the same rows quantized for the first check's candidate search
+    (`candidate_features`; one symmetric scale per row, `quantize_rows`).
+
+    Derived, never saved (`DERIVED_LEAVES`: `head_shapes` does not hold them, `check_heads`
+    accepts them, `save_exit_heads` drops them). Serving should hold them: inside a step,
+    gathering K = 8,192 rows of the 49,152 x 576 head costs more than the projection itself on
+    CPU (and XLA fuses the gather into the product as a slow reduction at batch 1), every first
+    check and every exit head; and the first check's search over the subset is memory-bound
+    (19 MB of f32 rows every step), so it reads the int8 copy (a quarter of that) and rescores
+    only its k candidates exactly. `vocab_rows` stays f32 for the exit head at the exit taken
+    (`exit_logits`, `row_exit_logits`): the emitted token is the exact subset argmax. Heads
+    without a subset are returned as they are."""
+    if candidate_dtype is not None and candidate_dtype not in CANDIDATE_DTYPES:
+        raise ExitConfigError(f"candidate_dtype={candidate_dtype!r}: expected one of "
+                              f"{CANDIDATE_DTYPES} or None (search the f32 rows)")
     if "vocab" not in heads:
         return heads
+    heads = without_derived(heads)
     ids = jnp.asarray(heads["vocab"])
     rows = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
             else jnp.take(params["lm_head"], ids, axis=1).T)
-    return dict(heads, vocab_rows=rows)
+    if candidate_dtype is None:
+        return dict(heads, vocab_rows=rows)
+    q, scale = quantize_rows(rows)
+    return dict(heads, vocab_rows=rows, vocab_rows_q=q, vocab_rows_scale=scale)
+
+
+def without_derived(heads):
+    """heads without the leaves `with_vocab_rows` derives (what a checkpoint holds)."""
+    if not isinstance(heads, dict):
+        return heads
+    return {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
+
+
+@jax.jit
+def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per row: rows [K, D] -> (q int8 [K, D], scale f32 [K]), rows ~= q *
+    scale[:, None], scale = max |row| / 127 (an all-zero row gets scale 1, q 0)."""
+    rows = rows.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(rows), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(rows / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
 
 
 def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
     """Raise ExitConfigError unless `heads` has exactly the shapes this config needs (plus,
-    optionally, the derived `vocab_rows` of `with_vocab_rows`)."""
+    optionally, the derived leaves of `with_vocab_rows`)."""
     want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in
             jax.tree_util.tree_leaves_with_path(head_shapes(cfg, ec))}
-    if ec.vocab_subset and isinstance(heads, dict) and "vocab_rows" in heads:
-        want["['vocab_rows']"] = (ec.vocab_subset, cfg.d_model)
+    derived = {"vocab_rows": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_q": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_scale": (ec.vocab_subset,)}
+    if ec.vocab_subset and isinstance(heads, dict):
+        want.update({f"['{k}']": shape for k, shape in derived.items() if k in heads})
     got = {jax.tree_util.keystr(p): tuple(np.shape(a)) for p, a in
            jax.tree_util.tree_leaves_with_path(heads)}
     if want != got:
@@ -380,6 +421,34 @@ def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: Model
     # rows are output-major [K, D], as the tied head is: the product the model's own head
     # uses for them (`quant.out_major_matmul`: E @ x.T at 2-64 rows, 1.7-2x faster on CPU)
     return llama.cap_logits(out_major_matmul(xn, rows, preferred_element_type=jnp.float32), cfg)
+
+
+def approx_subset_logits(heads, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Approximate logits at the subset's ids from its int8 rows (`with_vocab_rows`):
+    xn [..., D] -> [..., K] f32, within about 0.03 (median; 0.5 at most) of `unembed_rows` on
+    SmolLM2's layer-16 exit states (logits ~30): what the first check searches for candidates.
+
+    The product is one int8 x int8 -> int32 matmul: each row of xn is split as
+    xn ~= sx * (hi + lo / 254) with hi, lo int8 (absmax scale sx; hi the rounded value, lo its
+    rounding error in 1/254 steps, ~15 bits in all), both halves multiplied in one product that
+    reads the int8 rows once, then the row scales applied to the sum. Only the weights' per-row
+    rounding remains. Why not the weights converted to f32 inside the product: XLA CPU writes
+    the converted [K, D] f32 array first (no faster than the f32 rows); and a single-row int8
+    product runs as a slow loop, so batch 1 needs the second (lo) row anyway."""
+    q, scale = heads["vocab_rows_q"], heads["vocab_rows_scale"]  # [K, D] int8, [K] f32
+    lead, d = xn.shape[:-1], xn.shape[-1]
+    x = xn.reshape(-1, d).astype(jnp.float32)
+    n = x.shape[0]
+    sx = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    sx = jnp.where(sx > 0, sx, 1.0)  # [n, 1]
+    u = x / sx
+    hi = jnp.round(u)
+    lo = jnp.round((u - hi) * 254.0)  # |u - hi| <= 1/2: lo in [-127, 127]
+    y = jax.lax.dot_general(jnp.concatenate([hi, lo]).astype(jnp.int8), q,
+                            (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = y.astype(jnp.float32)  # [2n, K]
+    z = (y[:n] + y[n:] * (1.0 / 254.0)) * sx * scale
+    return llama.cap_logits(z.reshape(*lead, q.shape[0]), cfg)
 
 
 def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -504,11 +573,38 @@ def init_check_state(h0: jax.Array, ec: ExitConfig) -> CheckState:
 
 def _score_candidates(params: llama.Params, hn: jax.Array, cand: jax.Array, cfg: ModelConfig
                       ) -> jax.Array:
-    """Logits of each row's own candidates: hn [..., D], cand [..., k] -> [..., k] f32."""
+    """Exact logits of each row's own candidates: hn [..., D], cand [..., k] -> [..., k] f32
+    (the LM head's own rows at cand, gathered: k rows, not the subset)."""
     w = (jnp.take(params["embed"], cand, axis=0) if cfg.tie_embeddings
          else jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1))  # [..., k, D]
     return llama.cap_logits(jnp.einsum("...d,...kd->...k", hn, w,
                                        preferred_element_type=jnp.float32), cfg)
+
+
+def _int8_first_check(params: llama.Params, heads, hn: jax.Array, cfg: ModelConfig, k: int
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first check from the int8 rows: (candidates [..., k] int32, their exact logits
+    [..., k] f32, p0 [...]), candidates in order of exact logit (ties to the search's order).
+
+    The k best ids of the approximate subset logits become the candidates, and their logits
+    are recomputed from the f32 head rows (`_score_candidates`), so the top candidate is the
+    exact subset argmax whenever the search kept it (on all 3,416 SmolLM2 layer-16 states
+    measured, docs/benchmarks.md "Cheaper first check").
+    p0 = exp(exact top logit) / (sum of exp over the subset), the sum taken from the
+    approximate logits with the k candidates' terms replaced by their exact ones: the
+    candidates hold nearly all the mass, so p0 is within 0.003 of the exact search's
+    (0.17 with the approximate sum left as it is)."""
+    za = approx_subset_logits(heads, hn, cfg)  # [..., K]
+    top_a, idx = top_k(za, k)
+    cand = jnp.take(heads["vocab"], idx)
+    ze = _score_candidates(params, hn, cand, cfg)  # [..., k] exact
+    top, j = jax.lax.top_k(ze, k)  # k entries: sorting them is cheap
+    cand = jnp.take_along_axis(cand, j, axis=-1)
+    m = jnp.maximum(top_a[..., :1], top[..., :1])  # [..., 1]
+    rest = jnp.sum(jnp.exp(za - m), axis=-1) - jnp.sum(jnp.exp(top_a - m), axis=-1)
+    total = jnp.maximum(rest, 0.0) + jnp.sum(jnp.exp(top - m), axis=-1)
+    p0 = jnp.exp(top[..., 0] - m[..., 0]) / total
+    return cand.astype(jnp.int32), top, p0
 
 
 def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,
@@ -521,7 +617,13 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
     softmax top-1, top-1 - top-2, 1 - normalised entropy, top logit / 10, change of the top-1
     probability since the previous check, whether the top candidate is unchanged, this check's
     probability of the previous check's top candidate, cosine to the previous check's hidden
-    state, the first check's exact top-1 probability.
+    state, the first check's top-1 probability over the whole subset (p0).
+
+    Heads holding the int8 rows of `with_vocab_rows` search the subset with them
+    (`approx_subset_logits`, a quarter of the f32 rows' bytes) and then score their k
+    candidates exactly (`_int8_first_check`): the features see exact logits; which ids are
+    candidates (one or two of the lowest-ranked on 17% of SmolLM2's layer-16 states, the top
+    one never) and p0 (by < 0.003) can differ from the f32 search's.
 
     first: whether this is the first check (slot 0), when the caller knows it statically;
     None reads it from `slot` (a traced slot then branches with a lax.cond, which costs as
@@ -530,6 +632,8 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
     hn = exit_hidden(heads, slot, h, cfg)
 
     def first_check():
+        if "vocab_rows_q" in heads:
+            return _int8_first_check(params, heads, hn, cfg, k)
         if "vocab" in heads:
             z = unembed_rows(params, hn, heads["vocab"], cfg, heads.get("vocab_rows"))
             top, idx = top_k(z, k)
