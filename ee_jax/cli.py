@@ -123,6 +123,11 @@ def _exit_summary(s, cfg, ec) -> str:
     rows = sum(s.row_exit_counts.values())
     early = rows - s.row_exit_counts.get(L, 0)
     vocab = f"{ec.vocab_subset:,}-id subset" if ec.vocab_subset else "whole vocabulary"
+    deferred = ("" if not cost.completion else
+                f"; back-fill 'deferred' runs the skipped layers in the next step, counted as "
+                f"whole layers: "
+                f"{exits.ideal_speedup_with_head(cfg, ec, s.row_exit_counts, 0.0):.2f}x if "
+                f"they were free, as where decode is memory-bound")
     check = (f"first check {cost.checks[0]:.2f}, later checks {cost.checks[-1]:.3f} each"
              if ec.measure == "candidates" else f"each check {cost.checks[0]:.2f}")
     return (f"early exit ({ec.policy}, {ec.measure} >= {ec.threshold}, head {ec.head}, exits "
@@ -131,7 +136,8 @@ def _exit_summary(s, cfg, ec) -> str:
             f"of {L} -> ideal speedup {s.ideal_row_speedup(L):.2f}x, "
             f"{s.ideal_speedup_with_head(cfg, ec):.2f}x counting the heads and checks "
             f"(layer-equivalents: final head {cost.final_head:.2f}, exit head over the {vocab} "
-            f"{cost.exit_head:.2f}, {check}); layers x rows computed {s.work_fraction:.2f} of "
+            f"{cost.exit_head:.2f}, {check}{deferred}); layers x rows computed "
+            f"{s.work_fraction:.2f} of "
             f"full depth; {s.vocab_checks_per_decode_step:.1f} vocabulary projections per step "
             f"for exit checks")
 

@@ -423,7 +423,7 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
     logits = np.asarray(_final_logits(x[-1]))
     tokens, layers, confs, gaps = [int(logits.argmax())], [L], [], []
     gaps.append(float(np.diff(np.sort(logits)[-2:])[0]))
-    pending = None  # (hidden state [1, D], layers it ran) of the previous token
+    pending = None  # (hidden state [1, D], layers it ran, layer it left at): previous token
 
     def fill(h, pos, first):  # its layers >= first from the state h
         for j in range(first, L):
@@ -439,7 +439,7 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
             if pending is not None and i >= pending[1]:  # the previous token's layer i
                 hp, kc[i], vc[i] = _ref_layer(LAYERS[i], pending[0], jnp.asarray([p - 1]),
                                               kc[i], vc[i])
-                pending = (hp, i + 1)
+                pending = (hp, i + 1, pending[2])
             x, kc[i], vc[i] = _ref_layer(LAYERS[i], x, jnp.asarray([p]), kc[i], vc[i])
             n = i + 1
             if n == L or n not in ec.exit_layers or n < ec.min_exit_layer:
@@ -457,11 +457,10 @@ def contiguous_reference(heads, ec, prompt, n_new, threshold):
                 break
         if out is None:
             out = np.asarray(_final_logits(x[0]))
-        if pending is not None and exit_at < L and pending[1] == exit_at > pending_from:
+        if pending is not None and exit_at < L and pending[1] == exit_at > pending[2]:
             fill(pending[0], p - 1, exit_at)  # got deeper, still incomplete
         fill(x, p, exit_at)  # back-fill the skipped layers from the exit state
-        pending = (x, exit_at) if ec.backfill == "deferred" and exit_at < L else None
-        pending_from = exit_at
+        pending = (x, exit_at, exit_at) if ec.backfill == "deferred" and exit_at < L else None
         gaps.append(float(np.diff(np.sort(out)[-2:])[0]))
         tokens.append(int(out.argmax()))
         layers.append(exit_at)
@@ -503,7 +502,7 @@ def test_engine_matches_contiguous_reference(engine_name, request):
     assert ec.measure == ("saturation" if engine_name == "saturation_engine" else "max_prob")
     thr, (ref_tokens, ref_layers, _, _, (ref_k, ref_v)) = _choose_threshold(ec, heads)
     if ec.backfill == "deferred":  # some early token's successor ran deeper: it completed
-        assert any(a < b for a, b in zip(ref_layers[1:], ref_layers[2:])), ref_layers
+        assert any(a < b for a, b in itertools.pairwise(ref_layers[1:])), ref_layers
 
     counts_before = collections.Counter(engine.stats.step_exit_counts)
     engine.add_request("ref", REF_PROMPT, greedy(REF_NEW + 1, exit_threshold=thr))

@@ -309,7 +309,8 @@ def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
     assert 7.9 < head < 8.1
     assert exits.ideal_speedup_with_head(smol, never, {30: 10}) == pytest.approx(1.0)
     ec = exits.ExitConfig(exit_layers=(15, 20, 25), head="mlp", adapter_rank=128,
-                          measure="candidates", vocab_subset=8192, candidates=8)
+                          measure="candidates", vocab_subset=8192, candidates=8,
+                          backfill="propagate")
     cm = exits.cost_model(smol, ec)
     hidden = 576 + 2 * 576 * 128
     tail = exits.N_FEATURES * exits.DECISION_HIDDEN + exits.DECISION_HIDDEN + 4 * 8
@@ -324,6 +325,17 @@ def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
     # with a full-vocabulary head checked at every exit, the plain L / mean layers overstates
     full = exits.ExitConfig(exit_layers=(15, 20, 25), measure="max_prob")
     assert exits.ideal_speedup_with_head(smol, full, counts) < 30 / ((15 + 40 + 30) / 4)
+    # back-fill "deferred" runs a token's skipped layers in the next step: in multiply-adds
+    # they cost whole layers (only the head is saved), or the fraction a caller measured
+    deferred = dataclasses.replace(ec, backfill="deferred")
+    assert exits.cost_model(smol, deferred).token_cost(20) == pytest.approx(
+        cm.token_cost(20) + 10)
+    assert exits.cost_model(smol, deferred, completion=0.4).token_cost(20) == pytest.approx(
+        cm.token_cost(20) + 4)
+    assert exits.cost_model(smol, deferred).token_cost(30) == pytest.approx(cm.token_cost(30))
+    assert exits.ideal_speedup_with_head(smol, deferred, counts) < \
+        exits.ideal_speedup_with_head(smol, deferred, counts, completion=0.4) < \
+        exits.ideal_speedup_with_head(smol, ec, counts)
 
 
 def test_restricted_dataclass_state_is_a_pytree():

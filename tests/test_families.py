@@ -439,7 +439,7 @@ def test_engine_greedy_matches_transformers_and_backfill_holds(tmp_root, family)
 
     model, folder = hf_folder(family, tmp_root)
     hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
-    ec = ExitConfig(exit_layers=(EXIT,))
+    ec = ExitConfig(exit_layers=(EXIT,), backfill="propagate")  # as the reference fills
     llm = LLM(load_model(folder, progress=False), exit_config=ec, **ENGINE)
     texts = _prompts()
     ids = [llm.tokenizer.encode(t) for t in texts]

@@ -94,9 +94,7 @@ def test_sharded_step_never_gathers_the_cache(mesh):
     r = engine.runner
     shape = StepShape(4, 1, 16, kind="decode")
     with jax.set_mesh(engine.mesh):
-        hlo = r._step.lower(shape, r.params, r.exit_heads, r.cache,
-                            jax.ShapeDtypeStruct((shape.size,), np.int32),
-                            r.last_tokens).compile().as_text()
+        hlo = r.lower(shape).compile().as_text()
     cache_dims = ",".join(str(d) for d in r.cache.k.shape[:3])  # [layers, pages, page_size, ..
     collectives = re.findall(r"\[([\d,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|"
                              r"collective-permute)", hlo)

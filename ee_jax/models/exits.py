@@ -89,13 +89,16 @@ class ExitConfig:
     checks score.
     target_agreement: the teacher-forced agreement with full depth that the shipped threshold
     was calibrated to meet (`ee_jax.training.calibrate`); in (0, 1].
-    backfill: what the skipped layers of a token that left early hold. "propagate" (CALM's
-    state propagation, the reference design's fill): K/V projected from its exit state, for
-    good. "deferred": the same at once, then the row's next decode step runs the token's
-    skipped layers for real beside its own token (one more query per row in the layers
-    above the exit, where the weights are read anyway) and overwrites them with the exact
-    K/V; later tokens then see what full depth would have written, unless that next token
-    leaves early too (the older token then keeps the K/V of its deepest state).
+    backfill: what the skipped layers of a token that left early hold. "deferred" (the
+    default): K/V projected from its exit state at once, then the row's next decode step
+    runs the token's skipped layers for real beside its own token (one more query per row in
+    the layers above the exit, where the weights are read anyway) and overwrites them with
+    the exact K/V; later tokens then see what full depth would have written, unless that
+    next token leaves early too (the older token then keeps the K/V of its deepest state) or
+    the row's next step is a prefill step (mixed steps run decode rows at full depth and
+    drop what they complete). "propagate" (CALM's state propagation, the reference design's
+    fill): the projected K/V, for good; on SmolLM2 they cost later tokens 3-12x more
+    agreement with full depth (docs/benchmarks.md).
     """
 
     exit_layers: tuple[int, ...] = ()
@@ -111,7 +114,7 @@ class ExitConfig:
     vocab_subset: int = 0
     candidates: int = 8
     target_agreement: float = 0.95
-    backfill: Backfill = "propagate"
+    backfill: Backfill = "deferred"
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
@@ -724,21 +727,25 @@ def layer_macs(cfg: ModelConfig) -> int:
 class CostModel:
     """Per-token cost of early exit in layer-equivalents (multiply-adds / `layer_macs`).
 
-    A token leaving at exit e costs e layers + every check at exits <= e + the exit head; at
-    full depth L layers + every check + the final head. `ideal_speedup` is the honest ideal:
-    (L + final head) / mean cost."""
+    A token leaving at exit e costs e layers + every check at exits <= e + the exit head
+    (+ its skipped layers at `completion` each when back-fill "deferred" runs them in the
+    next step); at full depth L layers + every check + the final head. `ideal_speedup` is the
+    honest ideal: (L + final head) / mean cost."""
 
     n_layers: int
     exit_layers: tuple[int, ...]
     final_head: float  # final norm + LM head over the whole vocabulary
     exit_head: float  # exit norm/adapter + LM head over the exit vocabulary, at the exit taken
     checks: tuple[float, ...]  # cost of the check at each exit slot
+    completion: float = 0.0  # one skipped layer run later for the token (back-fill "deferred")
 
     def token_cost(self, exit_layer: int) -> float:
         done = sum(c for e, c in zip(self.exit_layers, self.checks, strict=True)
                    if e <= exit_layer)
-        head = self.final_head if exit_layer >= self.n_layers else self.exit_head
-        return exit_layer + done + head
+        if exit_layer >= self.n_layers:
+            return exit_layer + done + self.final_head
+        return (exit_layer + done + self.exit_head
+                + (self.n_layers - exit_layer) * self.completion)
 
     def mean_cost(self, exit_counts) -> float:
         """exit_counts: {exit layer (n_layers = full depth): tokens}."""
@@ -751,8 +758,15 @@ class CostModel:
         return (self.n_layers + self.final_head) / self.mean_cost(exit_counts)
 
 
-def cost_model(cfg: ModelConfig, ec: ExitConfig) -> CostModel:
-    """The cost model of these exits on this model (pure arithmetic on the shapes)."""
+def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float | None = None) -> CostModel:
+    """The cost model of these exits on this model (pure arithmetic on the shapes).
+
+    completion: the cost of a layer a back-fill "deferred" token runs in its row's next step,
+    in layer-equivalents; default its multiply-adds, a whole layer (1.0; 0 under
+    "propagate"). In arithmetic, deferred exits save only the head: the layers are run
+    anyway. Where decode is memory-bound the second query rides on weights the row's own
+    token reads anyway (measured ~0.4 of a layer at batch 1 on a 2-core CPU,
+    `bench.policy_steps --step`): pass that to model time rather than arithmetic."""
     D, lay = cfg.d_model, float(layer_macs(cfg))
     vocab = ec.vocab_subset or cfg.vocab_size
     hidden = D + (2 * D * ec.adapter_rank if ec.head in ("adapter", "mlp") else 0)
@@ -767,12 +781,17 @@ def cost_model(cfg: ModelConfig, ec: ExitConfig) -> CostModel:
     checks = tuple((first if i == 0 else check) / lay for i in range(len(ec.exit_layers)))
     if not ec.enabled:
         checks = tuple(0.0 for _ in ec.exit_layers)
+    if completion is None:
+        completion = 1.0 if ec.backfill == "deferred" else 0.0
     return CostModel(cfg.n_layers, ec.exit_layers, (D + cfg.vocab_size * D) / lay,
-                     (hidden + vocab * D) / lay, checks)
+                     (hidden + vocab * D) / lay, checks,
+                     completion if ec.enabled and ec.backfill == "deferred" else 0.0)
 
 
-def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts) -> float:
+def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts,
+                            completion: float | None = None) -> float:
     """(L + final head) / mean per-token cost, all in layer-equivalents, for tokens leaving
     per `exit_counts` {exit layer (L = full depth): count}. What `EngineStats` should report
-    next to the measured speed-up (the plain L / mean layers leaves the heads out)."""
-    return cost_model(cfg, ec).ideal_speedup(exit_counts)
+    next to the measured speed-up (the plain L / mean layers leaves the heads out).
+    completion: see `cost_model`."""
+    return cost_model(cfg, ec, completion).ideal_speedup(exit_counts)

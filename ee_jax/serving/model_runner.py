@@ -224,7 +224,8 @@ class ModelRunner:
         self.pending = Pending.none(max_batch, cfg)
         self.last_tokens, self.pending = jax.device_put(
             (self.last_tokens, self.pending), jax.local_devices()[0]) if mesh is None else \
-            sharding.shard((self.last_tokens, self.pending), sharding.replicated(mesh))
+            jax.tree.map(lambda a: sharding.shard(a, sharding.replicated(mesh)),
+                         (self.last_tokens, self.pending))
         self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
                              **jit_kw)
 
@@ -310,13 +311,18 @@ class ModelRunner:
         if distributed.is_multiprocess() and distributed.is_leader():
             distributed.broadcast_header(np.zeros(5, np.int32))
 
+    def lower(self, shape: StepShape) -> Any:
+        """The step of `shape` lowered (`jax.stages.Lowered`), with this runner's arguments."""
+        buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            return self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
+                                    self.last_tokens, self.pending)
+
     def compile(self, shape: StepShape) -> None:
         """Compile the step of `shape` ahead of time, without running it (jit reuses the
         compiled program when a batch of that shape comes)."""
-        buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-            self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
-                             self.last_tokens, self.pending).compile()
+            self.lower(shape).compile()
 
     @property
     def num_traces(self) -> int:
