@@ -10,6 +10,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+# The suite's own persistent compilation cache, new every session: a test never reads an
+# executable another process wrote (the user's ~/.cache/ee-jax/xla holds entries from other
+# code versions and device counts; reading one aborted test_sharding on 2026-12-02).
+if "EE_JAX_COMPILATION_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["EE_JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="ee-jax-test-xla-")
+
 import pytest
 from hypothesis import settings
 

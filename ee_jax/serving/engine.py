@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import time
 import zlib
@@ -37,6 +38,8 @@ from ee_jax.serving.params import (
 )
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
 from ee_jax.serving.sharding import MeshSpec
+
+COMPILATION_CACHE_ENV = "EE_JAX_COMPILATION_CACHE"  # relocates the default persistent cache
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -89,8 +92,9 @@ class EngineConfig:
     # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
     attention: str = "auto"
     # JAX's persistent compilation cache: a restarted engine loads its programs instead of
-    # compiling them again. None: off.
-    compilation_cache_dir: str | None = "~/.cache/ee-jax/xla"
+    # compiling them again. None: off. Default ~/.cache/ee-jax/xla, or $EE_JAX_COMPILATION_CACHE.
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get(COMPILATION_CACHE_ENV, "~/.cache/ee-jax/xla"))
     # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
     # dp (ee_jax.serving.sharding); None: one device.
     mesh: str | None = None
