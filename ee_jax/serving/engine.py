@@ -92,7 +92,8 @@ class EngineConfig:
     # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
     attention: str = "auto"
     # JAX's persistent compilation cache: a restarted engine loads its programs instead of
-    # compiling them again. None: off. Default ~/.cache/ee-jax/xla, or $EE_JAX_COMPILATION_CACHE.
+    # compiling them again. None or "": off. Default ~/.cache/ee-jax/xla, or
+    # $EE_JAX_COMPILATION_CACHE when set (empty: off).
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(COMPILATION_CACHE_ENV, "~/.cache/ee-jax/xla"))
     # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
