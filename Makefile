@@ -23,9 +23,12 @@ run: $(VENV)/.runtime
 	$(VENV)/bin/ee-jax generate --model $(MODEL) --prompts-file configs/demo_prompts.txt --max-tokens 48
 
 # The whole test suite (tiny random models, and the real SmolLM2 where it is the point).
+# test_sharding runs in a process of its own: late in the one long suite process XLA aborted
+# compiling or loading its tp=4 step (2026-12-02, not root-caused; alone it passes).
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/test_sharding.py
+	$(PY) -m pytest -q tests/test_sharding.py
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
