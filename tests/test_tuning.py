@@ -93,6 +93,16 @@ def test_tune_config_yaml_rejects_unknown_settings(tmp_path):
         TuneConfig.from_yaml(p)
     with pytest.raises(TuneConfigError, match="not found"):
         TuneConfig.from_yaml(tmp_path / "missing.yaml")
+    p.write_text("exit_layers: [1, 2]\nbackfill: copy\n")
+    with pytest.raises(TuneConfigError, match=r"backfill must be one of"):
+        TuneConfig.from_yaml(p)
+
+
+@pytest.mark.parametrize("backfill", ["propagate", "deferred"])
+def test_tune_config_backfill_reaches_the_exit_config(backfill):
+    # the heads are calibrated for one back-fill; the exit_config.json they ship with says it
+    ec = TuneConfig(exit_layers=(1, 2), backfill=backfill).exit_config()
+    assert ec.backfill == backfill
 
 
 def test_shipped_preset_parses_and_fits_smollm2():
@@ -198,5 +208,6 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert ec2.measure == "candidates" and heads["vocab"].shape == (64,)
     assert ec2.threshold == res.exit_config.threshold
     assert ec2.threshold == exits.NEVER or 0.0 < ec2.threshold < 1.0
+    assert ec2.backfill == tc.backfill
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
     assert ec3.threshold == exits.NEVER  # agreement 1 cannot be certified with errors allowed

@@ -82,6 +82,7 @@ class TuneConfig:
     calib_everyday: int = 0  # held-apart everyday chat requests (`data.everyday_requests`)
     target_agreement: float = 0.95
     calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
+    backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
     decision_steps: int = 400
     # output
@@ -108,6 +109,9 @@ class TuneConfig:
         if not 0.0 < self.target_agreement <= 1.0:
             raise TuneConfigError(f"target_agreement must be in (0, 1], got "
                                   f"{self.target_agreement}")
+        if self.backfill not in exits.BACKFILLS:
+            raise TuneConfigError(f"backfill must be one of {exits.BACKFILLS}, got "
+                                  f"{self.backfill!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
@@ -132,7 +136,8 @@ class TuneConfig:
                                 min_exit_layer=self.min_exit_layer,
                                 adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
                                 candidates=self.candidates,
-                                target_agreement=self.target_agreement)
+                                target_agreement=self.target_agreement,
+                                backfill=self.backfill)
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)
