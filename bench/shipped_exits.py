@@ -152,9 +152,9 @@ def render(ctx) -> str:
            f"({ctx['new_tokens']} tokens at most) forced on both engines; median of "
            f"{ctx['repeats']} interleaved rounds after a warm-up pass. Method: the docstring "
            f"of `bench/shipped_exits.py`.", "",
-           "| workload | batch, policy | tokens | full depth tok/s | exits tok/s | ratio "
-           "(rounds) | checks only / full | TF agreement (full-depth tokens / early tokens) | "
-           "mean layers / row | ideal with head | max contention | row exit histogram "
+           "| workload | batch, policy, back-fill | tokens | full depth tok/s | exits tok/s | "
+           "ratio (rounds) | checks only / full | TF agreement (full-depth tokens / early "
+           "tokens) | mean layers / row | ideal with head | max contention | row exit histogram "
            "(layer:rows) |",
            "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for (w, b, pol), r in ctx["rows"]:
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
-                   help="batch:policy pairs (batch 8 uses 2 x 8 prompts)")
+                   help="batch:policy[:backfill] (batch 8 uses 2 x 8 prompts; backfill "
+                        "defaults to the heads' own)")
     p.add_argument("--threshold", type=float, default=None,
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",
@@ -198,10 +199,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = []
     for spec in args.batch_runs:
-        b, _, pol = spec.partition(":")
-        runs.append((int(b), pol or "all"))
+        b, _, rest = spec.partition(":")
+        pol, _, bf = rest.partition(":")
+        if bf and bf not in ("propagate", "deferred"):
+            raise SystemExit(f"--batch-runs {spec}: backfill must be propagate or deferred")
+        runs.append((int(b), pol or "all", bf or None))
     if args.tiny:
-        model, ec, heads, tiny_prompts = tiny_setup(2 * max(b for b, _ in runs))
+        model, ec, heads, tiny_prompts = tiny_setup(2 * max(r[0] for r in runs))
         weights, what = "tiny random (4 layers, f32)", "untrained candidate heads"
         args.workloads = ["random"]
     else:
@@ -228,13 +232,15 @@ def main(argv=None) -> int:
                date=time.strftime("%Y-%m-%d %H:%M"), heads=what, n_prompts=args.prompts,
                new_tokens=args.new_tokens, repeats=args.repeats, rows=[])
     for w in args.workloads:
-        for b, pol in runs:
+        for b, pol, bf in runs:
             n = args.prompts if b == 1 else 2 * b
             prompts = tiny_prompts[:n] if args.tiny else workload_prompts(model, w, n)
-            log(f"{w}: batch {b}, policy {pol}, {len(prompts)} prompts")
-            r = compare(model, dataclasses.replace(ec, policy=pol), heads, prompts, b,
-                        args.new_tokens, args.repeats, args.overhead)
-            ctx["rows"].append(((w, b, pol), r))
+            run_ec = dataclasses.replace(ec, policy=pol, backfill=bf or ec.backfill)
+            log(f"{w}: batch {b}, policy {pol}, back-fill {run_ec.backfill}, "
+                f"{len(prompts)} prompts")
+            r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
+                        args.overhead)
+            ctx["rows"].append(((w, b, f"{pol}, {run_ec.backfill}"), r))
             log(f"  {w} batch {b} {pol}: {r['ratio']:.2f}x, TF {r['agree']:.3f}, mean layers "
                 f"{r['mean']:.2f}, ideal with head {r['ideal']:.3f}x")
             text = render(ctx)
