@@ -98,6 +98,16 @@ def test_tune_config_yaml_rejects_unknown_settings(tmp_path):
         TuneConfig.from_yaml(p)
 
 
+def test_everyday_training_requests_change_the_data_key_only_when_asked_for():
+    base = TuneConfig(exit_layers=(1, 2))
+    more = TuneConfig(exit_layers=(1, 2), everyday_train=40)
+    assert more.data_key() != base.data_key()
+    # settings that do not touch the data keep the cached data
+    assert TuneConfig(exit_layers=(1, 2), epochs=9, backfill="propagate").data_key() == \
+        base.data_key()
+    assert len(data.everyday_requests("train", 40)) == 40
+
+
 @pytest.mark.parametrize("backfill", ["propagate", "deferred"])
 def test_tune_config_backfill_reaches_the_exit_config(backfill):
     # the heads are calibrated for one back-fill; the exit_config.json they ship with says it

@@ -289,20 +289,130 @@ _EVERYDAY = (
 )
 
 
+# More everyday requests for *training* only (tuning data for the exit heads: everyday chat was
+# 2% of it and its heads the weakest, issue #12). Not split: all of them are "train", so the
+# "calib" half of _EVERYDAY stays what the shipped calibration used. Topics apart from
+# GENERAL_CHAT's (the same test checks).
+_EVERYDAY_TRAIN = (
+    ("Give me some advice on {}.", (
+        "choosing a first car", "talking to a shy child about school", "buying a used bicycle",
+        "keeping houseplants alive in winter", "packing a lunch for work every day",
+        "writing a birthday card for a grandparent", "organising a messy wardrobe",
+        "learning to swim as an adult", "walking a dog that pulls on the lead",
+        "getting started with bird watching", "planning meals when money is short",
+        "keeping a garden shed in order", "choosing running shoes", "moving house calmly",
+        "teaching a teenager to cook", "visiting a museum with small children",
+        "sharing a kitchen with roommates", "starting to paint with watercolours",
+        "keeping in touch with old friends", "writing a to-do list that works")),
+    ("Can you explain {}?", (
+        "how a vacuum flask keeps tea hot", "why cakes sink in the middle",
+        "how bees find their way home", "how a lock and key work",
+        "why the sea looks green in some places", "how a thermostat works",
+        "what makes popcorn pop", "how a hot air balloon rises", "why cheese has holes",
+        "how a library catalogue works", "how recycling plants sort rubbish",
+        "how a sewing machine makes a stitch", "why mirrors swap left and right",
+        "how seeds know which way is up", "what a mortgage is", "how a fridge magnet sticks",
+        "why our voices sound different on a recording", "how a lighthouse lamp is so bright",
+        "why some people are left-handed", "how frost forms on a window")),
+    ("Write a few sentences about {}.", (
+        "a walk in the woods after rain", "a grandmother's kitchen", "a quiet train station "
+        "at dawn", "a child's first day at school", "a summer thunderstorm",
+        "an old bookshop on a side street", "a fishing boat coming home",
+        "a cat watching birds from a window", "a crowded beach in August",
+        "a snowy village at night", "a bakery early in the morning", "a kite on a windy hill",
+        "a garden in late summer", "a street musician playing the violin",
+        "a long queue at the post office", "a campfire under the stars",
+        "a football match in the rain", "a lighthouse in a storm",
+        "a farmer's market in spring", "a library on a quiet afternoon")),
+    ("What are the pros and cons of {}?", (
+        "living in the countryside", "working a four-day week", "owning a cat",
+        "buying a second-hand phone", "taking the train instead of flying",
+        "learning online instead of in a classroom", "having a big garden",
+        "cooking at home every night", "renting instead of buying a home",
+        "getting up very early", "keeping chickens in the back garden",
+        "travelling alone", "shopping at a local market", "having a smart speaker at home",
+        "joining a gym", "reading on an e-reader", "living with roommates",
+        "walking to work", "growing your own vegetables", "owning an electric car")),
+    ("Suggest {}.", (
+        "five questions to ask at a parents' evening", "a name for a pet goldfish",
+        "a simple dessert for a summer evening", "a theme for a costume party",
+        "some ways to use leftover rice", "a few indoor games for a rainy day",
+        "a short stretching routine for the morning", "a packing list for a beach holiday",
+        "a topic for a school science project", "a few ways to save electricity at home",
+        "a quiet place to read in a busy city", "a present for a new father",
+        "some ideas for a first date", "a slogan for a charity bake sale",
+        "a few warm soups for winter", "a route for a Sunday bike ride",
+        "some songs for a road trip", "a way to remember people's names",
+        "a small kindness I could do for a neighbour", "a title for a family cookbook")),
+    ("How does {} work?", (
+        "a washing machine", "a bicycle gear", "a parachute", "a pressure cooker",
+        "a ballpoint pen", "a smoke alarm", "an escalator", "a piano", "a submarine",
+        "a traffic light", "a windmill", "a zip", "a vending machine", "a camera lens",
+        "a toaster", "an electric kettle", "a sundial", "a doorbell", "a hearing aid",
+        "a tide clock")),
+    ("Help me write {}.", (
+        "a note to leave for a house sitter", "a short bio for a community newsletter",
+        "a message asking for a day off work", "a speech for my sister's wedding",
+        "a note to my child's teacher about a school trip",
+        "a thank-you message for a birthday present", "a post asking neighbours for a ladder",
+        "a short notice about a yard sale", "an email to reschedule a dentist appointment",
+        "a goodbye card for a colleague who is retiring", "a reply to a friend's holiday postcard",
+        "a short advert for guitar lessons", "a message to a landlord about a noisy neighbour",
+        "a welcome note for guests staying in my flat", "a request to borrow a tent",
+        "a reminder to pay back money I lent", "a get-well-soon card for an uncle",
+        "a short introduction for a book club meeting", "an invitation to a barbecue",
+        "a polite message to end a phone contract")),
+    ("Describe {}.", (
+        "how to make a cup of hot chocolate", "what a typical day on a farm looks like",
+        "how people celebrated the new year long ago", "a good morning routine",
+        "how to set a table for a formal dinner", "the life cycle of a frog",
+        "what happens at a job fair", "how to wash a car by hand",
+        "what a zookeeper does all day", "the taste of a ripe mango",
+        "how a bread oven in a village bakery works", "a walk along a canal",
+        "how a school play is put together", "what a librarian does",
+        "how to plant a tree", "the sounds of a city at night",
+        "how a marathon is organised", "what a pilot checks before take-off",
+        "how to pitch a tent", "how honey is collected")),
+    ("Is it true that {}?", (
+        "goldfish have a three-second memory", "bats are blind", "we only use ten percent "
+        "of our brains", "cracking knuckles causes arthritis", "lightning never strikes "
+        "the same place twice", "bulls hate the colour red", "carrots help you see in the dark",
+        "cats always land on their feet", "chewing gum stays in the stomach for years",
+        "hair grows back thicker after shaving", "camels store water in their humps",
+        "ostriches bury their heads in the sand", "sugar makes children hyperactive",
+        "the Great Wall can be seen from space", "you lose most body heat through your head",
+        "dogs see only in black and white", "eating late at night makes you gain weight",
+        "swimming after eating is dangerous", "a penny dropped from a tall building can hurt "
+        "someone", "bananas grow on trees")),
+    ("What should I know before {}?", (
+        "adopting a rabbit", "starting a vegetable patch", "going on a long bike tour",
+        "buying a sofa", "painting a room", "learning to drive", "going skiing for the first "
+        "time", "hosting a sleepover", "joining a choir", "taking up running",
+        "visiting a country where I do not speak the language", "getting a tattoo",
+        "buying a telescope", "going on a cruise", "keeping bees", "starting a book club",
+        "lending money to a friend", "signing up for a marathon", "volunteering at an "
+        "animal shelter", "camping in the rain")),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _everyday() -> tuple[str, ...]:
     return tuple(template.format(topic) for template, topics in _EVERYDAY for topic in topics)
 
 
 def everyday_requests(split: Split, limit: int | None = None, seed: int = 0) -> list[str]:
-    """Everyday chat requests (see _EVERYDAY): "calib" or "train" half by hash, shuffled by
-    seed; "eval" has none (evaluation reads `prompts.GENERAL_CHAT`)."""
+    """Everyday chat requests: "calib" is half of _EVERYDAY by hash, "train" the other half
+    and then _EVERYDAY_TRAIN, shuffled by seed; "eval" has none (evaluation reads
+    `prompts.GENERAL_CHAT`)."""
     _check_split(split)
     if split == "eval":
         raise ValueError("everyday requests have no eval split: evaluation uses "
                          "ee_jax.evaluation.prompts.GENERAL_CHAT")
     items = [t for t in _everyday() if ("calib" if zlib.crc32(t.encode()) % 2 else "train")
              == split]
+    if split == "train":
+        items += [template.format(topic) for template, topics in _EVERYDAY_TRAIN
+                  for topic in topics]
     order = np.random.default_rng(seed).permutation(len(items))
     return [items[i] for i in order[:limit]]
 

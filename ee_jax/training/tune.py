@@ -55,6 +55,7 @@ class TuneConfig:
     seq_len: int = 256
     chat_instructions: int = 160  # train instructions the model answers itself
     code_prompts: int = 160  # stdlib function headers the model completes itself
+    everyday_train: int = 0  # everyday chat requests ("train" split) the model answers itself
     gen_max_tokens: int = 96
     gen_batch: int = 32
     stdlib_tokens: int = 40_000  # raw standard-library source, tokens
@@ -147,8 +148,9 @@ class TuneConfig:
                 "stdlib_tokens", "eval_sequences", "seed", "calib_instructions",
                 "calib_code_prompts")
         d = {k: getattr(self, k) for k in keys}
-        if self.calib_everyday:  # (absent when 0: older presets keep their cached data)
-            d["calib_everyday"] = self.calib_everyday
+        # absent when 0, so that older presets keep their cached data
+        d.update({k: getattr(self, k) for k in ("calib_everyday", "everyday_train")
+                  if getattr(self, k)})
         blob = json.dumps(d, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -196,7 +198,8 @@ def make_eval_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
 
 def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(train [N, T], eval [M, T]) int32 token rows, cached in work_dir by a key of the data
-    settings. Train: self-generated chat answers and code completions + stdlib source;
+    settings. Train: self-generated answers (instructions, everyday requests) and code
+    completions + stdlib source;
     eval: held-out stdlib source."""
     from ee_jax.training.selfgen import self_generate
 
@@ -209,7 +212,10 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
     tok = model.tokenizer
     sep = (model.config.eos_token_ids or (None,))[0]
     items = ([("chat", s) for s in data.instructions("train", tc.chat_instructions, tc.seed)]
-             + [("code", s) for s in data.code_prompts("train", tc.code_prompts, tc.seed)])
+             + [("code", s) for s in data.code_prompts("train", tc.code_prompts, tc.seed)]
+             + ([("chat", s) for s in data.everyday_requests("train", tc.everyday_train,
+                                                              tc.seed)]
+                if tc.everyday_train else []))
     t0 = time.perf_counter()
     gen = self_generate(model, items, max_tokens=tc.gen_max_tokens, batch=tc.gen_batch,
                         cache=work / "selfgen.jsonl", progress=progress) if items else []
