@@ -16,7 +16,9 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
 
     x = embed(tokens); state = loop state (running rows, done flags, check state, ...)
     for each row bucket z of the policy (BatchExit: just B):        # static Python loop
-        gather the running rows to the front (not before the first stage)
+        gather the running rows to the front (not before the first stage); the stage's
+        attention metadata, built once, is the same for all its layers (loop-invariant)
+        while n + 1 < the first check (all layers if no row may leave): layer n; n += 1
         while n < L and the running rows do not fit the next bucket:   # lax.while_loop
             layer n on the first z rows; n += 1
             if n is an exit layer: conf = exits.check_confidence(...)     # one dispatch
@@ -168,7 +170,15 @@ def policy_for(ec: exits.ExitConfig | None, kind: str) -> Policy:
 @dataclasses.dataclass(frozen=True)
 class _Loop:
     """Loop state of a step with checks. Fields marked (c) are in compacted order: slot c
-    holds original row perm[c]; in the stage of bucket z the running rows occupy slots < z."""
+    holds original row perm[c]; in the stage of bucket z the running rows occupy slots < z.
+
+    The attention metadata is not in it: each stage builds its own once, in the stage's row
+    order (kv_lens 0 for the rows not running then: padding rows and rows that left in an
+    earlier stage write to the null page), and hands it unchanged to every layer of its
+    loops, so XLA computes what attention derives from it (row-block sort, page-table
+    gathers, write slots) once per stage, not once per layer. A row that leaves inside a
+    stage keeps its keys until the next compaction: it still writes its own slot in the
+    layers above its exit, which the back-fill then overwrites (layers >= its exit layer)."""
 
     n: jax.Array  # int32: layers run
     x: jax.Array  # (c) [B, 1, D] hidden states
@@ -177,7 +187,6 @@ class _Loop:
     running: jax.Array  # (c) [B] bool
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exits.CheckState  # (c) what a check carries to the next (per row)
-    meta: AttentionMetadata  # (c) kv_lens 0 for rows not running: they write to the null page
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
@@ -285,14 +294,14 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     later[list(checked[1:])] = True
     later_table = jnp.asarray(later)
 
-    def compact(s: _Loop) -> _Loop:
-        """Gather the running rows to the front (order kept); the rest follow as padding."""
+    def compact(s: _Loop) -> tuple[_Loop, AttentionMetadata]:
+        """Gather the running rows to the front (order kept); the rest follow as padding.
+        Returns the state and the metadata of its row order (rows not running: kv_lens 0)."""
         order = jnp.argsort(~s.running, stable=True)
         perm, running = s.perm[order], s.running[order]
         return dataclasses.replace(
             s, x=s.x[order], perm=perm, pend=s.pend[order], running=running,
-            done=s.done[order],
-            check=_rows(s.check, order), meta=_take_rows(meta, perm, running))
+            done=s.done[order], check=_rows(s.check, order)), _take_rows(meta, perm, running)
 
     def check(z: int, first: bool, s: _Loop) -> _Loop:
         """Exit check over the first z rows (z: the stage's bucket; the rest are padding);
@@ -321,15 +330,14 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         running = s.running & ~leave
         return dataclasses.replace(
             s, check=state, checks=checks, running=running, done=done, logits=logits_buf,
-            meta=dataclasses.replace(s.meta, kv_lens=jnp.where(running, s.meta.kv_lens, 0)),
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
 
-    def layer(z: int, pending_runs: bool, c):
+    def layer(z: int, pending_runs: bool, mz: AttentionMetadata, c):
         """Layer n on the first z rows; `pending_runs` (static): with the pending query (else
-        the rows' own queries alone, as without "deferred")."""
+        the rows' own queries alone, as without "deferred"); mz: the stage's metadata of
+        those rows (loop-invariant)."""
         s, cache = c
-        mz = s.meta if z == B else _take_rows(s.meta, slice(0, z), True)
         if not deferred:
             y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
         elif not pending_runs:
@@ -346,19 +354,28 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
                                    work=s.work + z), cache
 
-    def stage(k: int, s: _Loop, cache: KVCache) -> tuple[_Loop, KVCache]:
+    def stage(k: int, s: _Loop, smeta: AttentionMetadata, cache: KVCache
+              ) -> tuple[_Loop, KVCache]:
         """Layers on the first z = sizes[k] rows, for as long as the running rows do not fit
         the next bucket, each followed by its check if any: the first check, the later ones
         or none, a static kind per branch (one lax.switch; not a lax.cond per check over the
-        first check's projection). Static shapes: no branch over the bucket."""
+        first check's projection). Static shapes: no branch over the bucket. smeta: the
+        metadata of s's row order (stage 0; later stages compact first and build their own).
+
+        The layers below the first check (all of them when no row may leave) run in a loop
+        of their own, without the switch: on CPU a switch per layer costs its dispatch and a
+        copy of every state field it passes through (about 10 thunks a layer)."""
         z = sizes[k]
         fits_next = sizes[k + 1] if k + 1 < len(sizes) else 0
+        if k:
+            s, smeta = compact(s)
+        mz = smeta if z == B else _take_rows(smeta, slice(0, z), True)  # loop-invariant
 
         def cond(c):
             return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
 
         def body(pending_runs: bool, c):
-            s, cache = layer(z, pending_runs, c)
+            s, cache = layer(z, pending_runs, mz, c)
             n = jnp.minimum(s.n, L)
             first = (n == start) if start < L else jnp.asarray(False)
             kind = jnp.where(can_exit, jnp.where(first, 1, 2 * later_table[n].astype(jnp.int32)),
@@ -367,9 +384,14 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                                       functools.partial(check, z, False)], s)
             return s, cache
 
-        c = (compact(s) if k else s, cache)
-        if deferred:  # below the lowest pending token of a running row, one query a row
-            lowest = jnp.min(jnp.where(c[0].running, c[0].pend, L))
+        c = (s, cache)
+        # below the lowest pending token of a running row (L: none), one query a row
+        lowest = jnp.min(jnp.where(s.running, s.pend, L)) if deferred else L
+        # the layer that brings n to `start` is followed by the first check
+        no_check = jnp.minimum(jnp.where(can_exit, start - 1, L), lowest)
+        c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < no_check),
+                               lambda c: layer(z, False, mz, c), c)
+        if deferred:
             c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < lowest),
                                    functools.partial(body, False), c)
         return jax.lax.while_loop(cond, functools.partial(body, deferred), c)
@@ -380,14 +402,14 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               pend=jnp.where(active, pending.layer, L), running=active,
               done=jnp.zeros((B,), bool), check=exits.init_check_state(x[:, -1], ec),
-              meta=_take_rows(meta, slice(None), active),
               h_exit=x[:, -1], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
+    smeta = _take_rows(meta, slice(None), active)
     if len(sizes) > 1:
-        s = compact(s)  # padding rows leave first
+        s, smeta = compact(s)  # padding rows leave first
     for k in range(len(sizes)):
-        s, cache = stage(k, s, cache)
+        s, cache = stage(k, s, smeta, cache)
 
     # Rows that ran to the end leave at L with their final hidden state.
     h_exit = s.h_exit.at[jnp.where(s.running, s.perm, B)].set(s.x[:, -1], mode="drop")
