@@ -88,3 +88,22 @@ def test_poisson_arrivals_summary_and_ttft_floor(llm):
     floors = ttft_floors(llm, PROMPTS[:2], greedy(NEW))
     assert len(floors) == 2 and all(0 < f < 60 for f in floors)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_exit_ceiling_rules_on_a_hand_made_case():
+    from bench.exit_ceiling import best_at_budget, first_exit
+
+    E, L = np.array([1, 2]), 3
+    conf = np.array([[0.9, 0.2, 0.6, 0.1],    # exit 1
+                     [0.95, 0.7, 0.9, 0.3]])  # exit 2
+    agree = np.array([[True, False, False, False],
+                      [True, True, True, False]])
+    lay, slot = first_exit(conf, 0.65, E, L)
+    np.testing.assert_array_equal(lay, [1, 2, 2, 3])
+    np.testing.assert_array_equal(slot, [0, 1, 1, -1])
+    # no error allowed: token 2 must not leave at exit 1 (conf 0.6), so t > 0.6: mean layers
+    # (1 + 2 + 2 + 3) / 4 at t in (0.6, 0.7]; a quarter of the tokens wrong lets it go lower
+    t, lay, wrong = best_at_budget(conf, agree, E, L, 0.0)
+    assert 0.6 < t <= 0.7 and wrong == 0.0 and lay.mean() == 2.0
+    t, lay, wrong = best_at_budget(conf, agree, E, L, 0.25)
+    assert wrong == 0.25 and lay.mean() < 2.0
