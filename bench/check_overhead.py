@@ -165,9 +165,9 @@ def patched_step(mod):
 
 
 def engine_steps(m, batches, rounds: int, new_tokens: int, modules: dict) -> None:
-    from ee_jax.serving.engine import EngineStats
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
+    from ee_jax.serving.stats import EngineStats
 
     ec, heads = m.shipped_exit_heads()
     prompts_all = [ids for _, ids in humaneval_prompts(m.tokenizer, 100, 200)]

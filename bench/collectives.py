@@ -46,8 +46,7 @@ def main(argv=None) -> int:
         log(f"compiling tp={tp}")
         engine = LLMEngine(cfg, params, None, EngineConfig(
             max_num_seqs=B, max_model_len=256, page_size=16, num_pages=B * 16 + 1,
-            batch_buckets=(B,), mesh=f"tp={tp}" if tp > 1 else None,
-            compilation_cache_dir=None, attention=args.attention))
+            batch_buckets=(B,), mesh=f"tp={tp}" if tp > 1 else None, attention=args.attention))
         runner = engine.runner
         shape = StepShape(B, 1, 16, kind="decode")
         buf = jax.ShapeDtypeStruct((shape.size,), np.int32)

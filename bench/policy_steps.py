@@ -41,9 +41,9 @@ def main(argv=None) -> int:
         return step_costs(args.model, args.step or [1, 4], max(args.repeats, 10))
 
     from ee_jax.models.loading import load_model
-    from ee_jax.serving.engine import EngineStats
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
+    from ee_jax.serving.stats import EngineStats
 
     m = load_model(args.model)
     shipped = m.shipped_exit_heads()

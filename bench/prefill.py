@@ -65,8 +65,9 @@ def attention_share(engine, batch, repeats: int = 3) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    from ee_jax.serving.attention import AttentionMetadata, attend
+    from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.model_runner import unpack
+    from ee_jax.serving.paged_model import attend
 
     runner, cfg = engine.runner, engine.model_config
     shape = batch.shape

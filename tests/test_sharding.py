@@ -91,7 +91,7 @@ def test_sharded_step_never_gathers_the_cache(mesh):
 
     engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
-        mesh=mesh, compilation_cache_dir=None))
+        mesh=mesh))
     r = engine.runner
     shape = StepShape(4, 1, 16, kind="decode")
     with jax.set_mesh(engine.mesh):

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
+from ee_jax.serving import sharding
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (
     InvalidRequestError,
@@ -40,7 +41,8 @@ class LLM:
         t0 = time.perf_counter()
         self.model = quantize_model(model, quantize) if isinstance(model, LoadedModel) else \
             load_model(model, dtype=dtype, quantize=quantize, progress=progress,
-                       mesh=engine_kwargs.get("mesh"))
+                       placement=(sharding.placement(engine_kwargs["mesh"])
+                                  if engine_kwargs.get("mesh") else None))
         if not early_exit:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models.config import ModelConfig
+from ee_jax.serving.distributed import global_array
 
 
 class MeshError(EEJaxError, ValueError):
@@ -166,8 +167,6 @@ def shard(tree: Any, shardings: Any) -> Any:
     """Place every leaf on its sharding (host arrays go straight to their shards; with
     several processes, each process places its own devices' shards)."""
     if jax.process_count() > 1:
-        from ee_jax.serving.distributed import global_array
-
         return jax.tree.map(lambda a, s: global_array(np.asarray(a), s), tree, shardings)
     return jax.tree.map(jax.device_put, tree, shardings)
 
