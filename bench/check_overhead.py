@@ -74,13 +74,13 @@ def step_overhead(m, batches, rounds: int, steps: int, modules: dict, thunks: bo
     import jax.numpy as jnp
     import numpy as np
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
     from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.kv_cache import allocate_cache
 
     cfg, params = m.config, m.params
     ec, heads = m.shipped_exit_heads()
-    rows = exits.with_vocab_rows(params, heads, cfg)
+    rows = exit_heads.with_vocab_rows(params, heads, cfg)
     context = 200
     for B in batches:
         width = context // 16 + 2

@@ -12,7 +12,7 @@ In one process, after warm-up, compile time apart:
      vs full depth, the batch exit-layer histogram, mean layers, ideal speedup, greedy
      agreement with full depth, for thresholds 0.8 / 0.9 / 0.95 and policies all / quorum.
      Full depth is the engine built with `early_exit=False`. The ideal counts the LM head
-     (`exits.cost_model`): (L + head) / (mean layers + exit head + checks).
+     (`exit_cost.cost_model`): (L + head) / (mean layers + exit head + checks).
 `--random` uses same-shape random weights (no GGUF needed; speed only, for accelerators).
 """
 
@@ -72,16 +72,16 @@ def time_steps(pairs: dict, repeats: int) -> dict[str, float]:
 
 
 def part_ab(cfg, params, batches, repeats, context=255):
-    from ee_jax.models import exits
+    from ee_jax.models.exit_config import NEVER, ExitConfig
 
     rows = []
     for B in batches:
         log(f"A/B: batch {B}: compiling 7 step variants")
         pairs = {"full": step_runner(cfg, params, B, context)}
         for e in (10, 15, 20):
-            ec = exits.ExitConfig(exit_layers=(10, 15, 20), force_exit_layer=e)
+            ec = ExitConfig(exit_layers=(10, 15, 20), force_exit_layer=e)
             pairs[f"forced {e}"] = step_runner(cfg, params, B, context, ec)
-        ec = exits.ExitConfig(exit_layers=EXITS_EVERY_4, threshold=exits.NEVER)
+        ec = ExitConfig(exit_layers=EXITS_EVERY_4, threshold=NEVER)
         pairs["never (checks skipped)"] = step_runner(cfg, params, B, context, ec)
         pairs["never (checks run, thr 1.0)"] = step_runner(cfg, params, B, context, ec)
         pairs["never (checks run, thr 1.0)"][1].threshold[:] = 1.0
@@ -99,7 +99,7 @@ def part_ab(cfg, params, batches, repeats, context=255):
 
 
 def part_c(model, batch, new_tokens, thresholds, policies, n_prompts):
-    from ee_jax.models import exits
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
 
@@ -110,7 +110,7 @@ def part_c(model, batch, new_tokens, thresholds, policies, n_prompts):
     variants = {"full depth": None}
     for pol in policies:
         for thr in thresholds:
-            variants[f"{pol} @ {thr}"] = exits.ExitConfig(
+            variants[f"{pol} @ {thr}"] = ExitConfig(
                 exit_layers=EXITS_EVERY_4, threshold=thr, policy=pol, measure="max_prob")
     results = {}
     for name, ec in variants.items():

@@ -2,8 +2,8 @@
 
     python -m bench.first_check --batches 1 4 8 --reps 40
 
-`exits.candidate_features(..., first=True)` jitted on the shipped SmolLM2 heads, with the
-subset's rows from `exits.with_vocab_rows(candidate_dtype=None)` (the f32 search) and
+`exit_checks.candidate_features(..., first=True)` jitted on the shipped SmolLM2 heads, with the
+subset's rows from `exit_heads.with_vocab_rows(candidate_dtype=None)` (the f32 search) and
 `with_vocab_rows()` (int8 search, exact rescoring of the 8 candidates), on random hidden states.
 Variants interleaved call by call (order alternating); each call timed alone after a 128 MB
 write evicts the 32 MB L3 ("cold", as inside a decode step, where the layers' weights pass
@@ -27,21 +27,21 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_checks, exit_heads
     from ee_jax.models.loading import load_model
 
     m = load_model(args.model, progress=False)
     cfg, params = m.config, m.params
     ec, heads = m.shipped_exit_heads()
-    variants = {"f32 search": exits.with_vocab_rows(params, heads, cfg, candidate_dtype=None),
-                "int8 search": exits.with_vocab_rows(params, heads, cfg)}
+    variants = {"f32 search": exit_heads.with_vocab_rows(params, heads, cfg, candidate_dtype=None),
+                "int8 search": exit_heads.with_vocab_rows(params, heads, cfg)}
     big = jnp.ones((32 * 2**20,), jnp.float32)
     evict = jax.jit(lambda a: a * 1.0001)
 
     @jax.jit
     def first(hv, h):
-        st = exits.init_check_state(h, ec)
-        f, st = exits.candidate_features(params, hv, 0, h, st, cfg, ec, first=True)
+        st = exit_checks.init_check_state(h, ec)
+        f, st = exit_checks.candidate_features(params, hv, 0, h, st, cfg, ec, first=True)
         return f, st.cand
 
     for B in args.batches:

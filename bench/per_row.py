@@ -83,8 +83,9 @@ def load(args):
 
 def exit_setup(args, model):
     """(ExitConfig, heads, description) of the heads the policies use."""
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
     from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.exit_config import ExitConfig
 
     cfg = model.config
     if args.exit_heads is not None:
@@ -95,8 +96,8 @@ def exit_setup(args, model):
         what = f"heads shipped for {args.model}"
     else:
         layers = (1, 2, 3) if args.tiny else tuple(range(6, cfg.n_layers - 2, 3))
-        ec = exits.ExitConfig(exit_layers=layers)
-        heads = exits.init_heads(cfg, ec, model.params)
+        ec = ExitConfig(exit_layers=layers)
+        heads = exit_heads.init_heads(cfg, ec, model.params)
         what = "untrained heads (per-exit norm = final norm)"
         log(f"WARNING: no exit heads given or shipped: using {what}")
     ec = dataclasses.replace(ec, threshold=args.threshold, quorum=args.quorum)
@@ -166,7 +167,8 @@ def measure(variants: dict, prompts, params_of, refs, repeats: int, L: int) -> d
 
 
 def bench_batch(model, prompts, ec, heads, B, args, max_len):
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
+    from ee_jax.models.exit_config import NEVER, ExitConfig
     from ee_jax.serving.params import greedy
 
     L = model.config.n_layers
@@ -182,9 +184,9 @@ def bench_batch(model, prompts, ec, heads, B, args, max_len):
 
     # Forced pattern: one exit at L/3 with constant confidence 0.5, thresholds 0 / NEVER.
     e = max(1, round(L / 3))
-    fec = exits.ExitConfig(exit_layers=(e,), measure="classifier", threshold=0.0)
-    fheads = exits.init_heads(model.config, fec, model.params)
-    thr = [0.0 if i % 2 == 0 else exits.NEVER for i in range(len(prompts))]
+    fec = ExitConfig(exit_layers=(e,), measure="classifier", threshold=0.0)
+    fheads = exit_heads.init_heads(model.config, fec, model.params)
+    thr = [0.0 if i % 2 == 0 else NEVER for i in range(len(prompts))]
     variants = {"full depth": full}
     variants.update({pol: make_llm(model, dataclasses.replace(fec, policy=pol), fheads, B,
                                    max_len) for pol in ("never", "all", "per_row")})
@@ -233,7 +235,7 @@ def render(ctx) -> str:
                        f"{v['mean']:.1f} | {v['ideal']:.2f}x | "
                        f"{v['ratio'] / v['ideal']:.2f} | {v['work']:.2f} |")
     out += ["", "Ideal, head counted: (L + head) / (mean layers + exit head + checks) in "
-            "layer-equivalents (the engine's cost model, `exits.cost_model`). "
+            "layer-equivalents (the engine's cost model, `exit_cost.cost_model`). "
             "TF agreement: share of decode tokens where the policy's own prediction equals "
             "the full-depth token (teacher forced). Row-layers computed / full: the rows the "
             "layers actually ran on (per_row: the compacted bucket, padding rows included), "

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.models.loading import load_model
     from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.kv_cache import allocate_cache
@@ -65,8 +66,8 @@ def main(argv=None) -> int:
     meta = AttentionMetadata(jnp.full((B, 1), ctx, jnp.int32), jnp.asarray(table),
                              jnp.full((B,), ctx + 1, jnp.int32))
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 1000, (B, 1)), jnp.int32)
-    ec = exits.ExitConfig(exit_layers=(e,), head="mlp", measure="classifier")
-    heads = exits.init_heads(cfg, ec, params)
+    ec = ExitConfig(exit_layers=(e,), head="mlp", measure="classifier")
+    heads = exit_heads.init_heads(cfg, ec, params)
 
     def thresholds(leave):
         return jnp.asarray([0.0 if leave(i) else np.inf for i in range(B)], jnp.float32)

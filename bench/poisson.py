@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     if args.tree is not None:
         _import_from(args.tree)
 
-    from ee_jax.models import exits
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
 
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
         # Threshold 0 by default: every row leaves at layer 1 (random weights are never
         # confident), so the smoke test runs the exit path, not a speed-up.
         thr = 0.0 if args.threshold is None else args.threshold
-        ec = exits.ExitConfig(exit_layers=(1, 2, 3), threshold=thr)
+        ec = ExitConfig(exit_layers=(1, 2, 3), threshold=thr)
         heads = None
     else:
         m = load_f32(args.model)

@@ -95,7 +95,7 @@ def step_costs(model: str, batches, repeats: int, steps: int = 5, context: int =
     import jax.numpy as jnp
     import numpy as np
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.serving.attention import AttentionMetadata
     from ee_jax.serving.kv_cache import allocate_cache
@@ -104,7 +104,7 @@ def step_costs(model: str, batches, repeats: int, steps: int = 5, context: int =
     m = load_model(model, progress=False)
     cfg, params = m.config, m.params
     ec, heads = m.shipped_exit_heads()
-    rows = exits.with_vocab_rows(params, heads, cfg)
+    rows = exit_heads.with_vocab_rows(params, heads, cfg)
     for B in batches:
         width = context // 16 + 2
         table = 1 + np.arange(B * width, dtype=np.int32).reshape(B, width)

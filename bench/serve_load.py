@@ -248,7 +248,7 @@ def offline(args, mode: str, prompts: list[list[dict]]) -> dict:
     if mode == "full":
         kw["early_exit"] = False
     elif args.random:
-        from ee_jax.models.exits import ExitConfig
+        from ee_jax.models.exit_config import ExitConfig
 
         kw["exit_config"] = ExitConfig(exit_layers=(1, 2, 3), threshold=0.0)
     llm = LLM(random_model() if args.random else args.model, **kw)
