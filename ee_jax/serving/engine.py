@@ -392,8 +392,9 @@ class LLMEngine:
         for row in schedule.rows:
             if row.seq.metrics.first_scheduled_time is None:
                 row.seq.metrics.first_scheduled_time = t0
-        compiles = batch.shape not in self.runner.traces
+        traced = self.runner.num_traces
         result = self.runner.step(batch)
+        compiles = self.runner.num_traces > traced  # (a shared program may have the shape)
         if compiles:  # tracing and compiling are not host time of serving
             self._waited += time.perf_counter() - t0
         out_idx = []
