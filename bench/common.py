@@ -344,14 +344,14 @@ def load_prompts(kind: str, tokenizer, n: int, lo: int = 0, hi: int = 10**9,
 
 def head_layers(cfg) -> float:
     """The LM head (vocab x d_model) in layer-equivalents: about 8 for SmolLM2-135M."""
-    from ee_jax.models.exits import layer_macs
+    from ee_jax.models.exit_cost import layer_macs
 
     return cfg.vocab_size * cfg.d_model / layer_macs(cfg)
 
 
 def ideal_speedup(stats, cfg, exit_config=None) -> float:
     """(L + head) / (mean layers + exit head + checks) per decoded row, in layer-equivalents:
-    the engine's own cost model (`EngineStats.ideal_speedup_with_head`, `exits.cost_model`),
+    the engine's own cost model (`EngineStats.ideal_speedup_with_head`, `exit_cost.cost_model`),
     one implementation for the engine, the CLI and the benchmarks. Full depth: 1."""
     return stats.ideal_speedup_with_head(cfg, exit_config)
 

@@ -397,7 +397,7 @@ def engine_main(argv=None) -> int:
     if args.tree is not None:
         _import_from(args.tree)
 
-    from ee_jax.models import exits
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
 
@@ -409,7 +409,7 @@ def engine_main(argv=None) -> int:
         # Threshold 0 by default: every row leaves at layer 1 (random weights are never
         # confident), so the smoke test runs the exit path, not a speed-up.
         thr = 0.0 if args.threshold is None else args.threshold
-        ec = exits.ExitConfig(exit_layers=(1, 2, 3), threshold=thr)
+        ec = ExitConfig(exit_layers=(1, 2, 3), threshold=thr)
         heads = None
     else:
         m = load_f32(args.model)
@@ -702,7 +702,7 @@ def http_offline(args, mode: str, prompts: list[list[dict]]) -> dict:
     if mode == "full":
         kw["early_exit"] = False
     elif args.random:
-        from ee_jax.models.exits import ExitConfig
+        from ee_jax.models.exit_config import ExitConfig
 
         kw["exit_config"] = ExitConfig(exit_layers=(1, 2, 3), threshold=0.0)
     llm = LLM(random_model() if args.random else args.model, **kw)

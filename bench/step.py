@@ -51,15 +51,15 @@ def load(args):
     """(config, f32 params, (exit config, heads) for the policy axis, weights description)."""
     import jax
 
-    from ee_jax.models import exits, llama
+    from ee_jax.models import exit_config, exit_heads, llama
 
     if args.tiny:
         from ee_jax.testing import tiny_config
 
         cfg = tiny_config(eos_token_ids=())
         params = llama.init_params(cfg, jax.random.PRNGKey(0))
-        ec = exits.ExitConfig(exit_layers=(1, 2, 3))
-        return cfg, params, (ec, exits.init_heads(cfg, ec, params)), "tiny random (4 layers)"
+        ec = exit_config.ExitConfig(exit_layers=(1, 2, 3))
+        return cfg, params, (ec, exit_heads.init_heads(cfg, ec, params)), "tiny random (4 layers)"
     if args.random:
         cfg, params = smollm2_shaped_random()
         shipped, what = None, f"random weights of {args.model}'s shapes"
@@ -68,15 +68,15 @@ def load(args):
         cfg, params = model.config, model.params
         shipped, what = model.shipped_exit_heads(), args.model
     if shipped is None:
-        ec = exits.ExitConfig(exit_layers=tuple(range(4, cfg.n_layers, 4)))
-        shipped = ec, exits.init_heads(cfg, ec, params)
+        ec = exit_config.ExitConfig(exit_layers=tuple(range(4, cfg.n_layers, 4)))
+        shipped = ec, exit_heads.init_heads(cfg, ec, params)
         log("no shipped heads: the policy axis uses untrained norm heads every 4th layer")
     return cfg, params, shipped, what
 
 
 def variants(args, cfg, params, shipped) -> dict[str, dict]:
     """name -> step_case keyword arguments; the baseline first."""
-    from ee_jax.models import exits, llama
+    from ee_jax.models import exit_config, llama
     from ee_jax.models.quant import quantize_params
 
     out = {BASELINE: dict(cfg=cfg, params=params)}
@@ -86,7 +86,7 @@ def variants(args, cfg, params, shipped) -> dict[str, dict]:
             out[f"{pol}, {what}"] = dict(cfg=cfg, params=params, heads=heads, threshold=thr,
                                          exit_config=dataclasses.replace(ec, policy=pol))
     for e in args.forced:
-        out[f"forced exit {e}"] = dict(cfg=cfg, params=params, exit_config=exits.ExitConfig(
+        out[f"forced exit {e}"] = dict(cfg=cfg, params=params, exit_config=exit_config.ExitConfig(
             exit_layers=(e,), force_exit_layer=e))
     for d in args.dtypes:
         if d == "bfloat16":

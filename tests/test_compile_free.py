@@ -76,12 +76,13 @@ def test_exit_engine_compiles_each_shape_once():
     twice compiles one program per step shape: every argument of the step is committed to
     the device from the start (the donated cache and derived heads come back committed, and
     jit keys its programs on that; the second step of each shape compiled again, uncounted)."""
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
+    from ee_jax.models.exit_config import ExitConfig
 
-    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
-                          measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
-                          policy="per_row")
-    heads = dict(exits.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
+                    measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
+                    policy="per_row")
+    heads = dict(exit_heads.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
     engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=4, max_model_len=64, page_size=8, max_prefill_chunk=32,
         batch_buckets=(1, 2, 4)), exit_config=ec, exit_heads=heads)

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from ee_jax.errors import TokenizationError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_cost import ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
@@ -159,7 +160,7 @@ class EngineStats:
 
     def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
         """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
-        layer-equivalents (`exits.cost_model`): the honest ceiling beside the measured speed
+        layer-equivalents (`exit_cost.cost_model`): the honest ceiling beside the measured speed
         (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
         if ec is None or not self.row_exit_counts:
             return 1.0

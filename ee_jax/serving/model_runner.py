@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ee_jax.models import exits, llama, quant
+from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_heads import check_heads, init_heads, with_vocab_rows
 from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
@@ -178,7 +180,7 @@ class StepConfig:
     attention backend and mesh compiles nothing the first one compiled."""
 
     model: ModelConfig
-    exit_config: exits.ExitConfig | None
+    exit_config: ExitConfig | None
     attention: str
     mesh: Mesh | None
 
@@ -256,7 +258,7 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
-                 exit_config: exits.ExitConfig | None = None, exit_heads=None,
+                 exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
                  mesh: Mesh | None = None):
         self.cfg = cfg
@@ -267,10 +269,10 @@ class ModelRunner:
         if exit_config is not None:
             exit_config.validate_for(cfg)
             if exit_heads is None:
-                exit_heads = exits.init_heads(cfg, exit_config, params)
-            exits.check_heads(cfg, exit_config, exit_heads)
+                exit_heads = init_heads(cfg, exit_config, params)
+            check_heads(cfg, exit_config, exit_heads)
             # The subset's LM-head rows gathered once here, not in every step's first check.
-            exit_heads = exits.with_vocab_rows(params, exit_heads, cfg)
+            exit_heads = with_vocab_rows(params, exit_heads, cfg)
         self.params, self.exit_heads = params, exit_heads
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
             params = quant.dequantize_params(params, cfg.jnp_dtype) \
