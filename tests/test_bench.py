@@ -17,6 +17,7 @@ from bench.common import (
     time_steps,
 )
 from bench.load import arrival_times, summarize, ttft_floors
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
@@ -134,9 +135,7 @@ def test_teacher_forced_agreement_counts_positions_after_the_first():
 def test_step_timer_times_every_variant_with_its_exit_histogram():
     """Full depth and a forced exit at layer 2: the timer's histogram holds every timed row
     at the layer the variant runs to, the first call apart; ratios are base / variant."""
-    from ee_jax.models import exits
-
-    ec = exits.ExitConfig(exit_layers=(2,), force_exit_layer=2)
+    ec = ExitConfig(exit_layers=(2,), force_exit_layer=2)
     cases = {"full": step_case(CFG, PARAMS, 2, 10),
              "exit 2": step_case(CFG, PARAMS, 2, 10, exit_config=ec)}
     times = time_steps(cases, rounds=3, steps=2)
