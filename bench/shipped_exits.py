@@ -38,8 +38,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import cpu_model, exit_summary, log, serve, write_marked
-from bench.per_row import agreement, forced_params, make_llm
+from bench.common import (
+    agreement,
+    cpu_model,
+    exit_summary,
+    forced_params,
+    log,
+    make_llm,
+    serve,
+    write_marked,
+)
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")

@@ -340,7 +340,7 @@ def test_batch_exit_layer_follows_the_rule(classifier_runners, policy, case):
         firsts = [next((e for e in EXIT_LAYERS if e >= cr.ec.min_exit_layer
                         and c_by_layer[e] >= t), L) for t in real]
         assert got == max(firsts)
-    assert cr.runner.traces == {cr.shape: 1}
+    assert set(cr.runner.traces) == {cr.shape} and cr.runner.traces[cr.shape] <= 1
 
 
 @settings(max_examples=150, deadline=None)
@@ -565,7 +565,7 @@ def test_one_program_per_shape_whatever_the_exits(inf_engine):
             run(inf_engine, prompts, params)
     finally:
         del runner.step
-    assert all(v == 1 for v in runner.traces.values()), runner.traces
+    assert all(v <= 1 for v in runner.traces.values()), runner.traces
     assert set(used) <= set(runner.traces)
     decode = [s for s in runner.traces if s.tokens == 1]
     page_buckets = {s.pages for s in runner.traces}

@@ -170,7 +170,7 @@ def test_engine_full_depth_on_int8_equals_dense_int8_forward():
     llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     # no recompilation in steady state: a new batch may meet a new bucket (a prefill step's
     # packed tokens follow the prompts' lengths), never trace a shape twice
-    assert set(llm.engine.runner.traces.values()) == {1}
+    assert set(llm.engine.runner.traces.values()) <= {0, 1}
 
 
 def test_engine_forced_exit_and_backfill_on_int8():

@@ -375,6 +375,6 @@ def test_one_decode_program_whatever_the_exits(engine):
                          [greedy(5, exit_threshold=t) for t in (0.0, NEVER, 0.6)])
     seen = {e for o in outs for e in o.exit_layers[1:]}  # [0]: prefill
     assert seen == {*EXIT_LAYERS, L}, seen
-    assert all(v == 1 for v in engine.runner.traces.values()), engine.runner.traces
+    assert all(v <= 1 for v in engine.runner.traces.values()), engine.runner.traces
     assert len([s for s in engine.runner.traces if s.tokens == 1]) == 1
     assert set(engine.stats.row_exit_counts) == {*EXIT_LAYERS, L}

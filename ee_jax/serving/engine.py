@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ee_jax.errors import TokenizationError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
@@ -153,11 +154,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-            try:  # e.g. a lone surrogate ("\udcff"): the Rust tokenizer raises TypeError
+            try:  # e.g. a lone surrogate ("\udcff"): TokenizationError says where
                 ids = list(self.tokenizer.encode(prompt))
-            except (TypeError, ValueError, UnicodeError) as e:
-                raise InvalidRequestError(f"the prompt cannot be tokenized ({e}); send valid "
-                                          f"Unicode text (no lone surrogates)", "prompt") from e
+            except TokenizationError as e:
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {e}", "prompt") from e
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
