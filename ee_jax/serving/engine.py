@@ -16,6 +16,7 @@ import zlib
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from ee_jax.errors import TokenizationError
@@ -92,7 +93,10 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
                  config: EngineConfig = EngineConfig(),
-                 exit_config: ExitConfig | None = None, exit_heads=None):
+                 exit_config: ExitConfig | None = None, exit_heads=None, *,
+                 mesh: Mesh | None = None):
+        """mesh: the devices `config.mesh` describes, when the caller built them already
+        (`LLM` builds one mesh for the loader's placement and the engine)."""
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -117,12 +121,15 @@ class LLMEngine:
         self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
                                       exit_config.threshold if exit_config else np.inf)
         self.exit_config = exit_config
-        mesh = cache_sharding = None
+        cache_sharding = None
         if config.mesh:
             spec = MeshSpec.parse(config.mesh)
             spec.validate_for(cfg)
-            mesh = spec.make_mesh()
+            mesh = spec.make_mesh() if mesh is None else sharding.check_mesh(spec, mesh)
             cache_sharding = sharding.cache_sharding(cfg, mesh)
+        elif mesh is not None:
+            raise sharding.MeshError("a mesh was given but EngineConfig.mesh is None: set "
+                                     "mesh='tp=N,dp=M' to the mesh's axes")
         self.mesh = mesh
         attention = config.attention
         if attention == "auto" and mesh is not None and mesh.size > 1:
