@@ -429,7 +429,7 @@ def test_ee_jax_serve_command(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", "random", "--port",
            str(port), "--api-key", KEY, "--max-model-len", "256", "--num-pages", "64",
-           "--quiet"]
+           "--quiet", "--no-precompile"]  # (precompiling: test_serve_precompiles_by_default)
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -452,6 +452,18 @@ def test_ee_jax_serve_command(tmp_path):
         rc = proc.wait(60)
     assert rc == 0, (tmp_path / "serve.log").read_text()
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def test_serve_precompiles_by_default():
+    """`ee-jax serve` compiles every step shape before it serves (`--no-precompile`: not);
+    `generate` only when asked."""
+    from ee_jax.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).precompile == "all"
+    assert parse(["serve", "--no-precompile"]).precompile == "none"
+    assert parse(["serve", "--precompile", "decode"]).precompile == "decode"
+    assert parse(["generate", "--prompt", "hi"]).precompile == "none"
 
 
 # ----------------------------------------------------------------- shutdown (runs last)
