@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
-    from ee_jax.training.tune import TuneConfig, calibration_rows
+    from ee_jax.training.tune import calibration_rows
+    from ee_jax.training.tune_config import TuneConfig
 
     tc = TuneConfig.from_yaml(args.config)
     model = load_model(tc.model, dtype="float32", progress=False)
