@@ -19,7 +19,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
+import jax
+
 from ee_jax.errors import EEJaxError
+from ee_jax.models import backfill_maps, exits, step_cost
+from ee_jax.models.config import ModelConfig
 
 Mode = Literal["auto", "exits", "full"]
 MODES = ("auto", "exits", "full")
@@ -43,6 +47,13 @@ class ControllerConfig:
     probe_steps: int = 16
     probe_every: int = 512
     margin: float = 0.02
+    # The cost model's regime per batch: batches up to this are memory-bound (a weight read
+    # once per step), larger ones compute-bound (`step_cost`); None: 1 on CPU, 64 elsewhere.
+    memory_bound_batch: int | None = None
+    # What the exit program costs beyond the cost model's arithmetic (the while loop, the
+    # checks' dispatches), as a share of a full-depth step: calibrate it with
+    # `python -m bench.shipped_exits --overhead` ("checks only / full" = 1 / (1 + this)).
+    check_overhead: float = 0.05
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -53,6 +64,14 @@ class ControllerConfig:
             if not (isinstance(v, int) and v >= 1):
                 raise ControllerConfigError(f"exit controller {name} must be an integer >= 1, "
                                             f"got {v!r}")
+        if self.memory_bound_batch is not None and not (
+                isinstance(self.memory_bound_batch, int) and self.memory_bound_batch >= 0):
+            raise ControllerConfigError(f"exit controller memory_bound_batch must be an "
+                                        f"integer >= 0 or None, got {self.memory_bound_batch!r}")
+        if not 0.0 <= self.check_overhead < 10.0:
+            raise ControllerConfigError(f"exit controller check_overhead must be in [0, 10) "
+                                        f"(a share of a full-depth step), got "
+                                        f"{self.check_overhead}")
         if not 0.0 <= self.margin < 1.0:
             raise ControllerConfigError(f"exit controller margin must be in [0, 1), got "
                                         f"{self.margin}")
@@ -127,3 +146,27 @@ class ExitController:
             parts.append(f"batch {batch}: {'exits' if b.exits else 'full depth'} ({why}; "
                          f"steps exits {b.steps[True]}, full {b.steps[False]})")
         return "; ".join(parts) or "no decode step yet"
+
+
+def exit_predictor(cfg: ModelConfig, ec: exits.ExitConfig, config: ControllerConfig,
+                   heads=None) -> Callable[[int, dict[int, int]], float]:
+    """The engine's prediction: batch, {row exit layer: rows} -> the exit program's speed-up
+    over the full-depth program (`step_cost.step_speedup` under `ec`'s back-fill and policy,
+    the exit loop's `check_overhead` charged on top)."""
+    cm = exits.cost_model(cfg, ec, completion=0.0)
+    kv = step_cost.kv_fraction(cfg)
+    maps = 0.0
+    if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:
+        maps = step_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
+    mem = config.memory_bound_batch
+    if mem is None:
+        mem = 1 if jax.default_backend() == "cpu" else 64
+    policy = "all" if ec.policy in ("all", "quorum") else "per_row"
+
+    def predict(batch: int, counts: dict[int, int]) -> float:
+        regime = "memory" if batch <= mem else "compute"
+        ideal = step_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
+                                       policy=policy, samples=128)
+        return 1.0 / (1.0 / ideal + config.check_overhead)
+
+    return predict

@@ -126,3 +126,33 @@ def kv_errors(cfg: ModelConfig, params, exit_layers: tuple[int, ...], maps: bm.M
             K, V = slice(0, kv), slice(kv, None)
             out[(e, j)] = (rel(prop, K), rel(fit, K), rel(prop, V), rel(fit, V))
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "first"))
+def _states_of(params, tokens, cfg: ModelConfig, first: int) -> jax.Array:
+    """tokens [B, T] -> the state after first..L-1 layers [B, T, L - first, D] (f32)."""
+    hidden = llama.forward(params, tokens, cfg, return_hidden=True)[1]  # [L, B, T, D]
+    return jnp.moveaxis(hidden[first - 1:cfg.n_layers - 1], 0, 2).astype(jnp.float32)
+
+
+def fit_from_rows(cfg: ModelConfig, params, exit_layers: tuple[int, ...], rows: np.ndarray,
+                  scored: np.ndarray | None = None, *, batch: int = 4,
+                  progress: bool = True) -> MapFitter:
+    """A MapFitter fed with the dense forward's states of `rows` [N, T] (only the tokens
+    where `scored` [N, T] holds, e.g. answer tokens); solve it at the rank you ship."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    fitter = MapFitter(cfg, params, exit_layers)
+    first = fitter.first
+    for i in tqdm(range(0, len(rows), batch), desc="back-fill maps", file=sys.stderr,
+                  disable=not progress):
+        chunk = rows[i:i + batch]
+        pad = np.concatenate([chunk, np.zeros((batch - len(chunk), rows.shape[1]),
+                                              rows.dtype)])
+        hs = np.asarray(_states_of(params, jnp.asarray(pad), cfg, first))[:len(chunk)]
+        keep = np.ones(chunk.shape, bool) if scored is None else scored[i:i + batch]
+        if keep.any():
+            fitter.add(hs[keep])
+    return fitter
