@@ -1,5 +1,5 @@
 """How fast can these exit heads be, at best? The ideal speed-up (issue #12's honest accounting:
-head, checks and completion counted, `exits.cost_model`) of the oracle exit and of the heads'
+head, checks and completion counted, `exit_cost.cost_model`) of the oracle exit and of the heads'
 own decision at TF error budgets, on the held-apart calibration split, teacher-forced.
 
     python -m bench.exit_ceiling --out docs/benchmarks.md
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_cost
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
     if ec.measure != "candidates":
         raise SystemExit(f"measure {ec.measure!r}: this bench reads the candidate decision")
     L, E = cfg.n_layers, np.asarray(ec.exit_layers)
-    costs = {"memory": exits.cost_model(cfg, ec, completion=0.0),
-             "compute": exits.cost_model(cfg, ec, completion=1.0)}  # -bound (deferred)
+    costs = {"memory": exit_cost.cost_model(cfg, ec, completion=0.0),
+             "compute": exit_cost.cost_model(cfg, ec, completion=1.0)}  # -bound (deferred)
     log(f"calibration split of {args.config} (self-generated answers, cached in {tc.work_dir})")
     groups = calibration_rows(tc, model)
     lines = ["### Ceiling of the exit heads (`bench/exit_ceiling.py`)", "",

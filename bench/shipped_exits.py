@@ -38,8 +38,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import cpu_model, exit_summary, log, serve, write_marked
-from bench.per_row import agreement, forced_params, make_llm
+from bench.common import (
+    agreement,
+    cpu_model,
+    exit_summary,
+    forced_params,
+    log,
+    make_llm,
+    serve,
+    write_marked,
+)
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")
@@ -60,15 +68,16 @@ def workload_prompts(model, kind: str, n: int) -> list[list[int]]:
 
 def tiny_setup(n: int):
     """A 4-layer random model, random prompts and untrained candidate heads (smoke test)."""
-    from ee_jax.models import exits, llama
+    from ee_jax.models import exit_heads, llama
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.models.loading import LoadedModel
     from ee_jax.testing import tiny_config
 
     cfg = tiny_config(eos_token_ids=(), max_position=2048)
     params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.4)
-    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
-                          measure="candidates", candidates=4, threshold=0.5)
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
+    ec = ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
+                    measure="candidates", candidates=4, threshold=0.5)
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(10, 30))).tolist()
                for _ in range(n)]

@@ -117,16 +117,16 @@ def _generate(args) -> int:
 def _exit_summary(s, cfg, ec) -> str:
     """The early-exit lines of `generate`'s summary: which exits, where rows left, and the
     ideal speed-up with the heads and checks counted (the engine's cost model)."""
-    from ee_jax.models import exits
+    from ee_jax.models import exit_cost
 
-    L, cost = cfg.n_layers, exits.cost_model(cfg, ec)
+    L, cost = cfg.n_layers, exit_cost.cost_model(cfg, ec)
     rows = sum(s.row_exit_counts.values())
     early = rows - s.row_exit_counts.get(L, 0)
     vocab = f"{ec.vocab_subset:,}-id subset" if ec.vocab_subset else "whole vocabulary"
     deferred = ("" if not cost.completion else
                 f"; back-fill 'deferred' runs the skipped layers in the next step, counted as "
                 f"whole layers: "
-                f"{exits.ideal_speedup_with_head(cfg, ec, s.row_exit_counts, 0.0):.2f}x if "
+                f"{exit_cost.ideal_speedup_with_head(cfg, ec, s.row_exit_counts, 0.0):.2f}x if "
                 f"they were free, as where decode is memory-bound")
     check = (f"first check {cost.checks[0]:.2f}, later checks {cost.checks[-1]:.3f} each"
              if ec.measure == "candidates" else f"each check {cost.checks[0]:.2f}")
@@ -222,8 +222,8 @@ def _serve(args) -> int:
 def _exit_kwargs(args, model) -> dict:
     """ExitConfig and heads from the --exit-* flags. Default: the heads shipped for a registry
     model (SmolLM2); --exit-heads loads others; --exit-layers builds untrained norm heads."""
-    from ee_jax.models import exits
     from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.exit_config import ExitConfig
 
     if not args.early_exit:
         return {"early_exit": False}
@@ -245,9 +245,9 @@ def _exit_kwargs(args, model) -> dict:
         return {"exit_config": dataclasses.replace(ec, **overrides), "exit_heads": heads}
     if layers is None:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
-    ec = exits.ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
-                          threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                          policy=overrides["policy"])
+    ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
+                    threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
+                    policy=overrides["policy"])
     return {"exit_config": ec}
 
 

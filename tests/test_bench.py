@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench.common import exit_summary, head_layers, serve, smollm2_shaped_config
-from bench.poisson import arrival_times, summarize, ttft_floors
+from bench.load import arrival_times, summarize, ttft_floors
 from ee_jax.models.loading import LoadedModel
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy

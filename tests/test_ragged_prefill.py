@@ -110,7 +110,7 @@ def test_trace_count_bounded_over_many_prompt_lengths():
         outs = run_requests(engine, prompts, greedy(2))
         assert all(len(o.token_ids) == 2 for o in outs)
     traces = engine.runner.traces
-    assert set(traces.values()) == {1}
+    assert set(traces.values()) <= {0, 1}  # 0: an earlier engine's program had it
     assert set(traces) <= set(engine.scheduler.config.step_shapes())
     prefill = [s for s in traces if s.kind == "prefill"]
     assert len(prefill) <= 20, prefill  # buckets, not one program per length

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from ee_jax.models import exits
+from ee_jax.models import exit_heads
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.serving.sharding import MeshError, MeshSpec, logical_rules
@@ -24,8 +25,8 @@ NEW = 8
 MESHES = [None, "tp=4", "tp=2,dp=2", "tp=8", "dp=8"]
 POLICIES = {
     "full": None,
-    "all": exits.ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
-    "per_row": exits.ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
+    "all": ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
+    "per_row": ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
 }
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
@@ -106,8 +107,8 @@ def test_sharded_step_never_gathers_the_cache(mesh):
 def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
     from ee_jax.serving.sharding import param_shardings
 
-    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=rank)
-    heads = exits.init_heads(CFG, ec, PARAMS)
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=rank)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
     mesh = MeshSpec.parse("tp=4").make_mesh()
     sh = param_shardings(heads, CFG, mesh)
     assert tuple(sh["mlp"]["down"].spec) == (None, None, "tp" if split else None)

@@ -3,7 +3,7 @@ preset): they load, fit the model, are served by default, and really exit early 
 
 import pytest
 
-from ee_jax.models import exits, registry
+from ee_jax.models import exit_heads, registry
 from ee_jax.models.exit_checkpoint import load_exit_heads
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
@@ -20,7 +20,7 @@ def shipped(smollm2):
 
 def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     ec, heads = shipped
-    exits.check_heads(smollm2.config, ec, heads)
+    exit_heads.check_heads(smollm2.config, ec, heads)
     assert not ec.needs_vocab  # deciding to exit needs no full vocabulary projection
     path = registry.shipped_exit_heads("smollm2-135m-instruct")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

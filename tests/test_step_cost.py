@@ -1,4 +1,4 @@
-"""The honest ceiling counts steps (ee_jax/models/step_cost.py, issue #23): hand-computed
+"""The honest ceiling counts steps (ee_jax/models/exit_cost.py, issue #23): hand-computed
 sequences, including consecutive tokens that both leave early."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ee_jax.models import step_cost as sc
+from ee_jax.models import exit_cost as sc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def test_step_speedup_of_a_single_exit_layer_is_exact():
 
 
 def test_bad_modes_are_named():
-    with pytest.raises(ValueError, match="backfill 'later'"):
+    with pytest.raises(sc.ExitConfigError, match="backfill 'later'"):
         sc.step_cost(CM, [2], None, "later", "memory", KV)
-    with pytest.raises(ValueError, match="regime 'gpu'"):
+    with pytest.raises(sc.ExitConfigError, match="regime 'gpu'"):
         sc.step_cost(CM, [2], None, "propagate", "gpu", KV)

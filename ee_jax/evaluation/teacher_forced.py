@@ -9,7 +9,7 @@ Workloads: held-out instructions ("eval" split), HumanEval prompts (code complet
 full depth (greedy, cached as JSON lines); then every answer position is scored as served:
 the exit taken by the decision rule at a threshold, its token against full depth's (TF
 agreement), its executed layers, and the ideal speed-up (L + head) / (layers + checks + head)
-from `exits.cost_model`. Prompt positions do not count (they are not served tokens).
+from `exit_cost.cost_model`. Prompt positions do not count (they are not served tokens).
 
 What it does not see: a served token that left at layer e leaves back-filled keys and values in
 layers e+1..L (`docs/architecture.md`, "holes in the KV cache"), and the tokens after it attend
@@ -32,7 +32,7 @@ import numpy as np
 from ee_jax.evaluation import prompts as P
 from ee_jax.evaluation.layerwise import ExitPredictions, exit_predictions
 from ee_jax.evaluation.simulate import simulate_exits
-from ee_jax.models import exits
+from ee_jax.models import exit_cost
 
 SKETCH = {21: 0.67, 24: 0.79, 27: 0.84}  # per-exit agreement of the planning sketch
 
@@ -95,7 +95,7 @@ def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
                                         zip(seqs, starts, strict=True)])
         for vname, pred in preds.items():
             ec, heads = variants[vname]
-            cost = exits.cost_model(cfg, ec)
+            cost = exit_cost.cost_model(cfg, ec)
             sims = simulate_exits(pred, thresholds[vname], cost=cost)
             oracle = oracle_counts(pred)
             v: dict = {
@@ -133,7 +133,7 @@ def resimulate(res: dict, dump: Path, variants: dict, thresholds: dict, cfg) -> 
             ec = variants[vname]
             pred = ExitPredictions(ec, cfg.n_layers, z[f"{vname}_confidence"],
                                    z[f"{vname}_agree"])
-            sims = simulate_exits(pred, thresholds[vname], cost=exits.cost_model(cfg, ec))
+            sims = simulate_exits(pred, thresholds[vname], cost=exit_cost.cost_model(cfg, ec))
             v["simulated"] = [dataclasses.asdict(s) for s in sims]
             for s in sims:
                 _log(f"  {wname} {vname} @ {s.threshold}: TF {s.agreement:.3f}, layers "
@@ -147,7 +147,7 @@ def to_markdown(res: dict) -> str:
                  [res["note"], ""] if res.get("note") else []),
              "TF agreement: share of answer tokens whose exit token equals full depth's, "
              "context always the full-depth answer. Ideal with head: (L + final head) / "
-             "(layers + checks + exit head), in layer-equivalents (`exits.cost_model`).", ""]
+             "(layers + checks + exit head), in layer-equivalents (`exit_cost.cost_model`).", ""]
     for wname, w in res["workloads"].items():
         lines += [f"## {wname} ({w['prompts']} prompts, {w['scored_tokens']} answer tokens)",
                   "", "| heads | threshold | TF agreement | mean layers | ideal L/layers | "

@@ -22,8 +22,9 @@ from typing import Literal
 import jax
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import backfill_maps, exits, step_cost
+from ee_jax.models import backfill_maps, exit_cost
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
 
 Mode = Literal["auto", "exits", "full"]
 MODES = ("auto", "exits", "full")
@@ -48,7 +49,7 @@ class ControllerConfig:
     probe_every: int = 512
     margin: float = 0.02
     # The cost model's regime per batch: batches up to this are memory-bound (a weight read
-    # once per step), larger ones compute-bound (`step_cost`); None: 1 on CPU, 64 elsewhere.
+    # once per step), larger ones compute-bound (`exit_cost.step_cost`); None: 1 on CPU, 64 elsewhere.
     memory_bound_batch: int | None = None
     # What the exit program costs beyond the cost model's arithmetic (the while loop, the
     # checks' dispatches), as a share of a full-depth step: calibrate it with
@@ -148,16 +149,16 @@ class ExitController:
         return "; ".join(parts) or "no decode step yet"
 
 
-def exit_predictor(cfg: ModelConfig, ec: exits.ExitConfig, config: ControllerConfig,
+def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
                    heads=None) -> Callable[[int, dict[int, int]], float]:
     """The engine's prediction: batch, {row exit layer: rows} -> the exit program's speed-up
-    over the full-depth program (`step_cost.step_speedup` under `ec`'s back-fill and policy,
+    over the full-depth program (`exit_cost.step_speedup` under `ec`'s back-fill and policy,
     the exit loop's `check_overhead` charged on top)."""
-    cm = exits.cost_model(cfg, ec, completion=0.0)
-    kv = step_cost.kv_fraction(cfg)
+    cm = exit_cost.cost_model(cfg, ec, completion=0.0)
+    kv = exit_cost.kv_fraction(cfg)
     maps = 0.0
     if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:
-        maps = step_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
+        maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
     mem = config.memory_bound_batch
     if mem is None:
         mem = 1 if jax.default_backend() == "cpu" else 64
@@ -165,7 +166,7 @@ def exit_predictor(cfg: ModelConfig, ec: exits.ExitConfig, config: ControllerCon
 
     def predict(batch: int, counts: dict[int, int]) -> float:
         regime = "memory" if batch <= mem else "compute"
-        ideal = step_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
+        ideal = exit_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
                                        policy=policy, samples=128)
         return 1.0 / (1.0 / ideal + config.check_overhead)
 

@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ee_jax.errors import TokenizationError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_cost import ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
@@ -163,7 +165,7 @@ class EngineStats:
 
     def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
         """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
-        layer-equivalents (`exits.cost_model`): the honest ceiling beside the measured speed
+        layer-equivalents (`exit_cost.cost_model`): the honest ceiling beside the measured speed
         (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
         if ec is None or not self.row_exit_counts:
             return 1.0
@@ -291,11 +293,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-            try:  # e.g. a lone surrogate ("\udcff"): the Rust tokenizer raises TypeError
+            try:  # e.g. a lone surrogate ("\udcff"): TokenizationError says where
                 ids = list(self.tokenizer.encode(prompt))
-            except (TypeError, ValueError, UnicodeError) as e:
-                raise InvalidRequestError(f"the prompt cannot be tokenized ({e}); send valid "
-                                          f"Unicode text (no lone surrogates)", "prompt") from e
+            except TokenizationError as e:
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {e}", "prompt") from e
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
@@ -403,8 +404,9 @@ class LLMEngine:
         for row in schedule.rows:
             if row.seq.metrics.first_scheduled_time is None:
                 row.seq.metrics.first_scheduled_time = t0
-        compiles = batch.shape not in self.runner.traces
+        traced = self.runner.num_traces
         result = self.runner.step(batch)
+        compiles = self.runner.num_traces > traced  # (a shared program may have the shape)
         if compiles:  # tracing and compiling are not host time of serving
             self._waited += time.perf_counter() - t0
         out_idx = []

@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (

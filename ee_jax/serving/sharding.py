@@ -50,7 +50,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "q_norm": (None,), "k_norm": (None,),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    # exit heads (ee_jax.models.exits): the adapter / MLP head's width is split like the
+    # exit heads (ee_jax.models.exit_heads): the adapter / MLP head's width is split like the
     # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
     "down": ("embed", "mlp"), "up": ("mlp", "embed"),
 }

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 from scipy import stats
 
-from ee_jax.models import exits
+from ee_jax.models.exit_config import BACKFILLS, NEVER, ExitConfigError
 
 DEFAULT_GRID = tuple(np.round(np.arange(0.995, 0.0, -0.005), 3).tolist())  # safest first
 DEFAULT_DELTA = 0.1
@@ -58,11 +58,11 @@ class CalibrationTable:
 
 def check_target(target_agreement: float, delta: float = DEFAULT_DELTA) -> None:
     if not 0.0 < target_agreement <= 1.0:
-        raise exits.ExitConfigError(f"target agreement must be in (0, 1] (a fraction of "
+        raise ExitConfigError(f"target agreement must be in (0, 1] (a fraction of "
                                     f"tokens equal to full depth), got {target_agreement}")
     if not 0.0 < delta < 1.0:
-        raise exits.ExitConfigError(f"delta (the allowed failure probability) must be in "
-                                    f"(0, 1), got {delta}")
+        raise ExitConfigError(f"delta (the allowed failure probability) must be in "
+                              f"(0, 1), got {delta}")
 
 
 def first_exit(confidence: np.ndarray, threshold: float, eligible: np.ndarray | None = None
@@ -145,10 +145,10 @@ def table_p_value(table: CalibrationTable, i: int, eps: float) -> float:
 def pick_threshold(table: CalibrationTable, target_agreement: float,
                    delta: float = DEFAULT_DELTA) -> float:
     """The lowest threshold fixed-sequence testing certifies (risk <= 1 - target with
-    probability >= 1 - delta); exits.NEVER when not even the safest one is certified."""
+    probability >= 1 - delta); NEVER when not even the safest one is certified."""
     check_target(target_agreement, delta)
     eps = 1.0 - target_agreement
-    chosen = exits.NEVER
+    chosen = NEVER
     for i, t in enumerate(table.thresholds):
         if table_p_value(table, i, eps) > delta:
             break
@@ -193,9 +193,9 @@ def served_calibration(tables: Mapping[str, CalibrationTable], target_agreement:
     `ExitConfig.backfill` the tables were served with (served agreement depends on it, so
     shipping the pick ships it too)."""
     check_target(target_agreement, delta)
-    if backfill is not None and backfill not in exits.BACKFILLS:
-        raise exits.ExitConfigError(f"unknown backfill {backfill!r}; choose one of "
-                                    f"{exits.BACKFILLS}")
+    if backfill is not None and backfill not in BACKFILLS:
+        raise ExitConfigError(f"unknown backfill {backfill!r}; choose one of "
+                                    f"{BACKFILLS}")
     picks = {g: pick_threshold(t, target_agreement, delta) for g, t in tables.items()}
     res = {"rule": SERVED_RULE, "measure": "served", "target_agreement": target_agreement,
            "delta": delta, "confidence": 1.0 - delta,
@@ -221,7 +221,7 @@ def ship_calibration(heads_dir, cal: dict) -> None:
 
     heads_dir = Path(heads_dir)
     if not (heads_dir / CONFIG).is_file():
-        raise exits.ExitConfigError(f"{heads_dir} holds no exit heads ({CONFIG} missing)")
+        raise ExitConfigError(f"{heads_dir} holds no exit heads ({CONFIG} missing)")
     if threshold_from_json(cal, cal["target_agreement"]) != cal["threshold"]:
         raise ValueError(f"calibration threshold {cal['threshold']} is not what its tables "
                          f"certify for target {cal['target_agreement']}")
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/served_calibration.json")
     ap.add_argument("--tables", help="with --served: served tables written before (an --out "
                                      "file); re-pick from them instead of decoding")
-    ap.add_argument("--backfill", choices=exits.BACKFILLS,
-                    help="with --served: serve the answers with this back-fill (default: the "
+    ap.add_argument("--backfill", choices=BACKFILLS,
+              help="with --served: serve the answers with this back-fill (default: the "
                          "heads' own)")
     ap.add_argument("--ship", action="store_true",
                     help="with --served: write the pick into the heads folder (calibration.json "

@@ -29,8 +29,9 @@ import numpy as np
 import optax
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import exits
+from ee_jax.models import exit_heads
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import BACKFILLS, ExitConfig
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
 
@@ -110,9 +111,9 @@ class TuneConfig:
         if not 0.0 < self.target_agreement <= 1.0:
             raise TuneConfigError(f"target_agreement must be in (0, 1], got "
                                   f"{self.target_agreement}")
-        if self.backfill not in exits.BACKFILLS:
-            raise TuneConfigError(f"backfill must be one of {exits.BACKFILLS}, got "
-                                  f"{self.backfill!r}")
+        if self.backfill not in BACKFILLS:
+            raise TuneConfigError(f"backfill must be one of {BACKFILLS}, got "
+                            f"{self.backfill!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
@@ -131,14 +132,14 @@ class TuneConfig:
             raise TuneConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
         return cls(**raw)
 
-    def exit_config(self) -> exits.ExitConfig:
-        return exits.ExitConfig(exit_layers=self.exit_layers, head=self.head,
-                                measure=self.measure, threshold=self.threshold,
-                                min_exit_layer=self.min_exit_layer,
-                                adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
-                                candidates=self.candidates,
-                                target_agreement=self.target_agreement,
-                                backfill=self.backfill)
+    def exit_config(self) -> ExitConfig:
+        return ExitConfig(exit_layers=self.exit_layers, head=self.head,
+                          measure=self.measure, threshold=self.threshold,
+                          min_exit_layer=self.min_exit_layer,
+                          adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
+                          candidates=self.candidates,
+                          target_agreement=self.target_agreement,
+                          backfill=self.backfill)
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)
@@ -177,8 +178,8 @@ def make_optimizer(tc: TuneConfig, total_steps: int) -> optax.GradientTransforma
                        optax.adamw(schedule, weight_decay=tc.weight_decay, mask=decay_mask))
 
 
-def make_train_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights,
-                    opt: optax.GradientTransformation, remat: bool):
+def make_train_step(cfg: ModelConfig, ec: ExitConfig, w: LossWeights,
+              opt: optax.GradientTransformation, remat: bool):
     def step(heads, opt_state, params, tokens):
         (loss, m), grads = jax.value_and_grad(exit_losses, has_aux=True)(
             heads, params, tokens, cfg, ec, w, remat)
@@ -188,7 +189,7 @@ def make_train_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights,
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
+def make_eval_step(cfg: ModelConfig, ec: ExitConfig, w: LossWeights):
     return jax.jit(lambda heads, params, tokens: exit_losses(heads, params, tokens, cfg, ec, w,
                                                              True))
 
@@ -296,8 +297,8 @@ def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
     return out
 
 
-def served_tables(model, ec: exits.ExitConfig, heads, answers, thresholds, *,
-                  batch: int = 32, progress: bool = True) -> dict:
+def served_tables(model, ec: ExitConfig, heads, answers, thresholds, *,
+            batch: int = 32, progress: bool = True) -> dict:
     """Calibration tables of served agreement: every answer decoded by the engine with its
     full-depth tokens forced (`SamplingParams.forced_tokens`) once per threshold (a
     per-request `exit_threshold`; policy per_row and no mixed steps, so each row decides
@@ -447,7 +448,7 @@ def _restore(mngr, like: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
 @dataclasses.dataclass
 class TuneResult:
     heads: dict
-    exit_config: exits.ExitConfig
+    exit_config: ExitConfig
     steps: int
     history: list[dict]
     eval_metrics: dict[str, list[float]]
@@ -484,7 +485,7 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
     total = steps_per_epoch * tc.epochs  # the schedule's length
     stop = total if tc.max_steps is None else min(total, tc.max_steps)  # an early stop only
     opt = make_optimizer(tc, total)
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
     opt_state = opt.init(heads)
     work = Path(tc.work_dir)
     history: list[dict] = []
@@ -596,12 +597,12 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     marks["cache_s"] = time.perf_counter() - t0
     _log(f"cached {train.size} tokens at {len(ec.exit_layers)} exits in "
          f"{marks['cache_s']:.0f}s")
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
     fill = C.vocab_subset(train, cache["top"][..., 0], cfg.vocab_size, cfg.vocab_size)
     if ec.vocab_subset:
         ids = fill[:ec.vocab_subset]
-        heads = exits.attach_vocab_subset(
-            heads, exits.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
+        heads = exit_heads.attach_vocab_subset(
+            heads, exit_heads.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
         if held_out is not None and len(held_out):
             marks["subset_coverage_held_out"] = C.coverage(ids, held_out)
         if len(calib_rows):

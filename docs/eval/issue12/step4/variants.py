@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, ".")
-from ee_jax.models import exits
+from ee_jax.models import exit_cost
 from ee_jax.models.loading import load_model
 from ee_jax.training import calibrate
 
@@ -127,7 +127,7 @@ def main():
     S = lambda name: (z[f"{name}_f"], z[f"{name}_a"], z[f"{name}_m"], z[f"{name}_c"])  # noqa
     model = load_model("smollm2-135m-instruct", dtype="float32", progress=False)
     ec, heads = model.shipped_exit_heads()
-    cost = exits.cost_model(model.config, ec)
+    cost = exit_cost.cost_model(model.config, ec)
     shipped = shipped_params(heads)
     from ee_jax.training import cached as C
     x = np.random.default_rng(1).normal(size=(14, 50, 9)).astype(np.float32)
