@@ -195,9 +195,9 @@ def step_speedup(cm: CostModel, counts: dict[int, int], batch: int, backfill: st
                  kv: float, maps: float = 0.0, policy: str = "per_row", samples: int = 512,
                  seed: int = 0) -> float:
     """Expected speed-up of steps of `batch` rows whose exit layers are drawn independently
-    from `counts` {exit layer: rows} (each row's pending token drawn the same way); policy
-    "all" makes every row leave at the step's deepest. Exact for batch 1 in expectation up
-    to sampling; a fixed seed keeps it deterministic."""
+    from `counts` {exit layer: rows} (each row's pending token drawn the same way). Policy
+    "all": `counts` are batch exit layers (every row of a step leaves at the step's), so one
+    draw per step serves all its rows. Sampled with a fixed seed: deterministic."""
     layers = np.asarray(sorted(counts), np.int64)
     if not len(layers):
         return 1.0
@@ -208,8 +208,7 @@ def step_speedup(cm: CostModel, counts: dict[int, int], batch: int, backfill: st
     total = 0.0
     for now, before in draws:
         if policy == "all":
-            now = np.full(batch, now.max())
-            before = np.full(batch, before.max())
+            now, before = np.full(batch, now[0]), np.full(batch, before[0])
         total += step_cost(cm, now.tolist(), before.tolist(), backfill, regime, kv, maps)
     return samples * full_step_cost(cm, batch, regime) / total
 

@@ -49,7 +49,8 @@ class ControllerConfig:
     probe_every: int = 512
     margin: float = 0.02
     # The cost model's regime per batch: batches up to this are memory-bound (a weight read
-    # once per step), larger ones compute-bound (`exit_cost.step_cost`); None: 1 on CPU, 64 elsewhere.
+    # once per step), larger ones compute-bound (`exit_cost.step_cost`); None: 1 on CPU, 64
+    # elsewhere.
     memory_bound_batch: int | None = None
     # What the exit program costs beyond the cost model's arithmetic (the while loop, the
     # checks' dispatches), as a share of a full-depth step: calibrate it with
@@ -83,7 +84,7 @@ class _Bucket:
     rows: collections.deque  # exit layers of the exit program's latest decode rows
     exits: bool = True  # the program this bucket runs now
     probing: int = 0  # exit-program steps left in the current look
-    since: int = 0  # steps at full depth since the last look
+    since: int = 0  # steps at full depth since the last look / exit steps since a decision
     predicted: float = float("nan")  # the last decision's predicted speed-up
     steps: dict = dataclasses.field(default_factory=lambda: {True: 0, False: 0})
 
@@ -131,6 +132,11 @@ class ExitController:
             b.probing -= 1
             if b.probing:
                 return
+        else:  # running the exit program: decide again every probe_steps steps
+            b.since += 1
+            if b.since < self.config.probe_steps:
+                return
+        b.since = 0
         counts = dict(collections.Counter(b.rows))
         b.predicted = self.predict(batch, counts)
         b.exits = b.predicted > 1.0 + self.config.margin
