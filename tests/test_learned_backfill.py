@@ -209,3 +209,72 @@ def test_maps_for_other_exits_or_shapes_are_refused(tmp_path):
         bm.load_maps(tmp_path, CFG.replace(d_model=64), EXITS)
     with pytest.raises(bm.BackfillMapsError, match="missing"):
         bm.load_maps(tmp_path / "nothing", CFG, EXITS)
+
+
+# --------------------------------------------------------------------------- in the engine
+
+ENGINE_PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10], [11, 12]]
+
+
+def _engine(ec, heads, mesh=None):
+    from ee_jax.serving.controller import ControllerConfig
+    from ee_jax.serving.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(CFG, PARAMS, None, EngineConfig(
+        max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
+        mesh=mesh, compilation_cache_dir=None,
+        exit_control=ControllerConfig(mode="exits")), ec, heads)
+
+
+def _heads(ec, maps):
+    from ee_jax.models import exit_heads
+
+    return dict(exit_heads.init_heads(CFG, ec, PARAMS), backfill=maps)
+
+
+@pytest.mark.parametrize("backfill", ["deferred", "propagate", "learned"])
+def test_exits_never_taken_give_full_depth_tokens(backfill):
+    from ee_jax.models.exit_config import NEVER, ExitConfig
+    from ee_jax.serving.params import greedy
+    from tests.reference import dense_greedy, run_requests
+
+    ec = ExitConfig(exit_layers=EXITS, threshold=NEVER, backfill=backfill)
+    outs = run_requests(_engine(ec, _heads(ec, _random_maps(5))), ENGINE_PROMPTS, greedy(6))
+    assert [o.token_ids for o in outs] == [dense_greedy(CFG, PARAMS, p, 6)
+                                            for p in ENGINE_PROMPTS]
+
+
+def test_learned_serves_sharded_as_on_one_device():
+    """tp=2 (8 simulated devices, conftest): tokens agree, the back-filled cache to the
+    rounding of split reductions."""
+    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.serving.params import greedy
+    from tests.reference import run_requests
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS, set in conftest.py)")
+    ec = ExitConfig(exit_layers=EXITS, force_exit_layer=3, backfill="learned")
+    heads = _heads(ec, _random_maps(6))
+    got = {}
+    for mesh in (None, "tp=2"):
+        engine = _engine(ec, heads, mesh)
+        outs = run_requests(engine, ENGINE_PROMPTS, greedy(5))
+        assert set(engine.stats.row_exit_counts) == {3}
+        got[mesh] = ([o.token_ids for o in outs], np.asarray(engine.runner.cache.k),
+                     np.asarray(engine.runner.cache.v))
+    assert got[None][0] == got["tp=2"][0]
+    np.testing.assert_allclose(got["tp=2"][1], got[None][1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["tp=2"][2], got[None][2], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_refuses_maps_that_do_not_fit():
+    from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+
+    ec = ExitConfig(exit_layers=EXITS, backfill="learned")
+    with pytest.raises(ExitConfigError, match="needs fitted maps"):
+        _engine(ec, {k: v for k, v in _heads(ec, None).items() if k != "backfill"})
+    other = tiny_config(eos_token_ids=(), n_layers=6, d_model=64)
+    with pytest.raises(bm.BackfillMapsError, match="'a' has shape"):  # another model's
+        _engine(ec, _heads(ec, bm.zero_maps(other, EXITS, 2)))
+    with pytest.raises(bm.BackfillMapsError, match=r"exit layers \[2, 3, 4\]"):  # other exits
+        _engine(ec, _heads(ec, bm.zero_maps(CFG, (1, 3), 2)))

@@ -28,6 +28,12 @@ VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp")
 POLICIES = ("all", "quorum", "never", "per_row")
 BACKFILLS = ("propagate", "deferred", "learned")
+# The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
+# calibrated under: each row leaves at its own first confident exit. Under "all" a batch waits
+# for its least confident row, so at a faithful threshold it almost never leaves (the CLI
+# demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same. Where
+# the checks still do not pay, the engine's controller runs full depth (serving.controller).
+SERVING_POLICY = "per_row"
 NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
 N_FEATURES = 9  # candidate features per check (`candidate_features`)
 DECISION_HIDDEN = 16  # width of the per-exit decision MLP
