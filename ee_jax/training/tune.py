@@ -33,6 +33,7 @@ from ee_jax.models import exit_heads
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import BACKFILLS, ExitConfig
 from ee_jax.training import data
+from ee_jax.training.backfill_fit import fit_from_rows
 from ee_jax.training.losses import LossWeights, exit_losses
 
 
@@ -85,6 +86,11 @@ class TuneConfig:
     target_agreement: float = 0.95
     calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
     backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
+    # learned back-fill maps (`backfill_maps`), fitted after the heads on the training rows'
+    # dense states and shipped beside them (method "cached"); rank 0: none
+    backfill_rank: int = 48
+    backfill_ridge: float = 1e-3
+    backfill_tokens: int = 65536  # training tokens the maps are fitted on
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
     decision_steps: int = 400
     # output
@@ -111,6 +117,12 @@ class TuneConfig:
         if not 0.0 < self.target_agreement <= 1.0:
             raise TuneConfigError(f"target_agreement must be in (0, 1], got "
                                   f"{self.target_agreement}")
+        if self.backfill_rank < 0 or self.backfill_tokens <= 0 or self.backfill_ridge < 0:
+            raise TuneConfigError(f"backfill_rank must be >= 0, backfill_tokens > 0 and "
+                                  f"backfill_ridge >= 0, got {self.backfill_rank}, "
+                                  f"{self.backfill_tokens}, {self.backfill_ridge}")
+        if self.backfill == "learned" and not self.backfill_rank:
+            raise TuneConfigError("backfill 'learned' needs fitted maps: set backfill_rank > 0")
         if self.backfill not in BACKFILLS:
             raise TuneConfigError(f"backfill must be one of {BACKFILLS}, got "
                             f"{self.backfill!r}")
@@ -367,7 +379,11 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
                              target_agreement=tc.target_agreement)
     record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
     kept = record.read_text() if record.is_file() else None
-    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal)
+    maps_info = json.loads((Path(heads_dir) / "exit_config.json").read_text()).get(
+        "backfill_maps")  # how the maps were fitted: kept too
+    if maps_info:
+        maps_info = {k: v for k, v in maps_info.items() if k != "file"}
+    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal, maps_info=maps_info)
     if kept is not None:
         record.write_text(kept)
     return cal
@@ -621,6 +637,16 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         work.mkdir(parents=True, exist_ok=True)
         with (work / "loss.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
+    maps_info = None
+    if tc.backfill_rank:  # before calibration: served calibration may use them
+        t0 = time.perf_counter()
+        n_rows = max(1, min(len(train), tc.backfill_tokens // train.shape[1]))
+        fitter = fit_from_rows(cfg, params, ec.exit_layers, train[:n_rows], progress=progress)
+        heads = dict(heads, backfill=fitter.solve(tc.backfill_rank, tc.backfill_ridge))
+        marks["backfill_maps_s"] = time.perf_counter() - t0
+        maps_info = {"rank": tc.backfill_rank, "ridge": tc.backfill_ridge,
+                     "fit_tokens": int(fitter.n), "fit_data": "training rows (dense forward)"}
+        _log(f"back-fill maps: rank {tc.backfill_rank} fitted on {fitter.n} tokens")
     calibration = None
     if ec.measure == "candidates":
         t0 = time.perf_counter()
@@ -641,7 +667,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     out = None
     if save:
         extra = {"calibration": calibration, "timings_s": marks}
-        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration)
+        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration,
+                              maps_info=maps_info)
         (Path(tc.output) / "tune_config.json").write_text(
             json.dumps(dict(dataclasses.asdict(tc), run=extra), indent=2) + "\n")
         _log(f"exit heads -> {out}")
