@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models.exit_config import BACKFILLS, ExitConfig
+from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
 from ee_jax.serving.compilation import compilation_cache_from_env, enable_compilation_cache
 
 
@@ -107,6 +107,8 @@ def _generate(args) -> int:
     if ec is not None:
         cfg = llm.model.config
         print(format_exit_summary(exit_summary(s, cfg, ec), cfg, ec), file=sys.stderr)
+        print(f"exit program per batch size: {llm.engine.controller.summary()}",
+              file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
@@ -131,10 +133,13 @@ def _timing_lines(s, outs) -> list[str]:
 
 
 def _engine_kwargs(args) -> dict:
+    from ee_jax.serving.controller import ControllerConfig
+
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
                 attention=args.attention, async_scheduling=args.async_scheduling,
-                mixed_steps=args.mixed_steps)
+                mixed_steps=args.mixed_steps,
+                exit_control=ControllerConfig(mode=getattr(args, "exit_control", "auto")))
 
 
 def _join_processes(args) -> None:
@@ -215,11 +220,9 @@ def _exit_kwargs(args, model) -> dict:
     if not args.early_exit:
         return {"early_exit": False}
     overrides = {k: v for k, v in (("threshold", args.exit_threshold),
-                                   ("policy", args.exit_policy)) if v is not None}
-    # Serving default: each row leaves at its own first confident exit. Under "all" a batch
-    # waits for its least confident row, so at a faithful threshold it almost never leaves
-    # (the demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same.
-    overrides.setdefault("policy", "per_row")
+                                   ("policy", args.exit_policy),
+                                   ("backfill", args.backfill)) if v is not None}
+    overrides.setdefault("policy", SERVING_POLICY)  # the one serving default (LLM's too)
     layers = (tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
               if args.exit_layers else None)
     trained = None
@@ -234,7 +237,7 @@ def _exit_kwargs(args, model) -> dict:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
                     threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                    policy=overrides["policy"])
+                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"))
     return {"exit_config": ec}
 
 
@@ -414,6 +417,14 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
+    e.add_argument("--backfill", choices=["deferred", "propagate", "learned"], default=None,
+                   help="what a skipped layer's keys/values hold (default: the heads' own): "
+                   "learned (fitted maps, shipped with the heads) saves the layers at near "
+                   "deferred's fidelity; see docs/early_exit.md")
+    e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
+                   help="auto (default): per batch size, run the exit program only where the "
+                   "cost model says its checks pay, else full depth; exits: always the exit "
+                   "program; full: never")
     e.add_argument("--confidence", default="max_prob",
                    choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
     e.add_argument("--exit-head", default="norm", choices=["norm", "adapter", "mlp"])

@@ -56,6 +56,9 @@ class StepShape:
     tokens: int
     pages: int
     kind: str = "decode"
+    # decode only: False runs the full-depth program (no checks compiled in) where the exit
+    # controller found that checks do not pay (`ee_jax.serving.controller`)
+    exits: bool = True
 
     def __post_init__(self):
         if self.kind not in ("prefill", "decode"):
@@ -216,7 +219,7 @@ class StepProgram:
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"],
                                  inp["block_positions"] if blocks else None,
                                  inp["block_rows"] if blocks else None)
-        policy = policy_for(c.exit_config, shape.kind)
+        policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
         prev = inp["pend_row"]  # rows of the latest decode step, or -1
         at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
         rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
@@ -316,7 +319,8 @@ class ModelRunner:
         if distributed.is_multiprocess():
             s = batch.shape
             distributed.broadcast_header(np.asarray(
-                [distributed.GO, s.batch, s.tokens, s.pages, _KINDS.index(s.kind)], np.int32))
+                [distributed.GO, s.batch, s.tokens, s.pages,
+                 _KINDS.index(s.kind) + (0 if s.exits else len(_KINDS))], np.int32))
             distributed.broadcast_buffer(buf, s.size)
         out = self._launch(batch.shape, buf)
         return out.addressable_data(0) if distributed.is_multiprocess() else out
@@ -351,7 +355,8 @@ class ModelRunner:
             go, b, t, w, kind = distributed.broadcast_header(None).tolist()
             if go == distributed.STOP:
                 return n
-            shape = StepShape(b, t, w, kind=_KINDS[kind])
+            shape = StepShape(b, t, w, kind=_KINDS[kind % len(_KINDS)],
+                              exits=kind < len(_KINDS))
             self._launch(shape, distributed.broadcast_buffer(None, shape.size))
             n += 1
 
