@@ -345,9 +345,11 @@ def _compile(args) -> int:
     print(f"ee-jax compile: {len(rows) - len(failed)} of {len(rows)} programs "
           f"{'compiled' if target.compiles else 'lowered'} in {time.perf_counter() - t0:.0f} s"
           + (f"; {len(failed)} FAILED" if failed else ""))
-    if any(r.variant != "full" for r in rows if r.flops is not None):
-        print("  * exit programs: XLA counts a while loop's body once, so this is one pass "
-              "of the loop, not the step (bench/roofline.py composes the step)")
+    if any(r.flops is not None for r in rows):
+        print("  roofline: max(flops / peak, bytes / bandwidth) from XLA's cost analysis of "
+              "the whole program, as XLA counts it (sampling's vocabulary sort included, a "
+              "loop's body once); * exit programs: one pass of the loop, not the step. "
+              "bench/roofline.py composes the decode step from pieces")
     mem = aot.memory(plan, rows)
     if mem is not None:
         print(f"memory per chip ({chip.name}): {mem.verdict()}")

@@ -128,12 +128,15 @@ def quiet_libtpu() -> None:
     """On a host with no TPU chip, tell libtpu it is one host with no workers to find:
     otherwise its start-up prints warnings that it could not determine the accelerator type,
     host bounds and worker hostnames (harmless: there is no TPU to run on, only to compile
-    for). A TPU VM's own settings are left alone."""
+    for), and it would hold /tmp/libtpu_lockfile so that a second process (another test run,
+    a compile beside a server) failed to load it: with no chip there is nothing to guard. A
+    TPU VM's own settings are left alone."""
     from jax._src import hardware_utils
 
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @functools.cache
