@@ -95,6 +95,15 @@ class EngineConfig:
             prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps)
 
 
+def num_pages_for(cfg: ModelConfig, config: EngineConfig, per_page: int) -> int:
+    """Pages in the KV pool: `num_pages`, else enough for max_num_seqs sequences of
+    max_model_len (plus the null page) within kv_cache_gib; per_page: bytes of one page."""
+    if config.num_pages is not None:
+        return config.num_pages
+    want = config.max_num_seqs * config.scheduler_config().pages_per_seq + 1
+    return max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
+
+
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
                  config: EngineConfig = EngineConfig(),
@@ -110,11 +119,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"context length ({cfg.max_position}); lower max_model_len")
         kv_dtype = config.kv_dtype or cfg.dtype
-        num_pages = config.num_pages
-        if num_pages is None:
-            per_page = bytes_per_page(cfg, config.page_size, kv_dtype)
-            want = config.max_num_seqs * sched_cfg.pages_per_seq + 1
-            num_pages = max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
+        num_pages = num_pages_for(cfg, config,
+                                  bytes_per_page(cfg, config.page_size, kv_dtype))
         if num_pages - 1 < sched_cfg.pages_per_seq:
             raise ValueError(
                 f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
