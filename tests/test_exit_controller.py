@@ -28,7 +28,7 @@ def _engine(control: ControllerConfig):
                     backfill="propagate")
     return LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(2,),
-        exit_control=control, compilation_cache_dir=None), ec)
+        exit_control=control), ec)
 
 
 def _programs(engine, before):

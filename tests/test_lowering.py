@@ -36,7 +36,7 @@ CFG = random_config(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_di
 EC = ExitConfig(exit_layers=(1, 2), head="mlp", measure="candidates", adapter_rank=8,
                       vocab_subset=64, threshold=0.9, policy="per_row")
 CONFIG = EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=64,
-                      max_prefill_chunk=32, compilation_cache_dir=None)
+                      max_prefill_chunk=32)
 
 
 def _plan(target: str, attention: str | None = None) -> aot.Plan:
@@ -202,8 +202,7 @@ def test_cpu_path_imports_nothing_tpu_or_cuda_specific():
         "from ee_jax.random_model import random_model\n"
         "import ee_jax.cli\n"
         "ee_jax.cli.build_parser()\n"
-        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32,\n"
-        "          compilation_cache_dir=None)\n"
+        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32)\n"
         "llm.generate(['hi'], SamplingParams(max_tokens=2))\n")
     assert sorted(ours - jax_own) == []
     assert "TPU_WORKER_HOSTNAMES" not in stderr and "host bounds" not in stderr, stderr
