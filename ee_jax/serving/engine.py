@@ -22,10 +22,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.errors import TokenizationError
-from ee_jax.models import llama
+from ee_jax.models import exit_cost, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.exit_cost import ideal_speedup_with_head
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
@@ -163,13 +162,24 @@ class EngineStats:
         """Mean layers executed per decoded row (per token of a decode step)."""
         return self.decode_row_layers / self.num_decode_rows if self.num_decode_rows else 0.0
 
-    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
-        """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
-        layer-equivalents (`exit_cost.cost_model`): the honest ceiling beside the measured speed
-        (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
-        if ec is None or not self.row_exit_counts:
+    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None,
+                                memory_bound_batch: int = 1, maps_rank: int = 0) -> float:
+        """The honest ceiling beside the measured speed: what this run's decode steps really
+        ran per back-fill (`exit_cost.step_speedup` at the run's mean rows per step: heads,
+        checks, K/V back-fill and deferred's pending tokens counted, in layer-equivalents),
+        memory-bound up to `memory_bound_batch` rows (a CPU: 1), compute-bound above. L /
+        mean layers leaves out the LM head (~8 layers on SmolLM2) and the back-fill."""
+        if ec is None or not self.row_exit_counts or not self.num_decode_steps:
             return 1.0
-        return ideal_speedup_with_head(cfg, ec, self.row_exit_counts)
+        batch = max(1, round(self.num_decode_rows / self.num_decode_steps))
+        batchwide = ec.policy in ("all", "quorum")
+        counts = self.step_exit_counts if batchwide else self.row_exit_counts
+        return exit_cost.step_speedup(
+            exit_cost.cost_model(cfg, ec, completion=0.0), counts, batch, ec.backfill,
+            "memory" if batch <= memory_bound_batch else "compute",
+            exit_cost.kv_fraction(cfg),
+            exit_cost.map_fraction(cfg, maps_rank) if ec.backfill == "learned" else 0.0,
+            policy="all" if batchwide else "per_row", samples=256)
 
     def snapshot(self) -> EngineStats:
         """A copy of the counters now; `since(snapshot)` gives a window's figures."""
