@@ -357,15 +357,11 @@ def ideal_speedup(stats, cfg, exit_config=None) -> float:
 
 
 def exit_summary(stats, cfg, exit_config=None) -> dict:
-    """The exit figures every speed figure comes with: row and step histograms, mean layers
-    per row, the layer-only ideal L / mean and the ideal with the head counted."""
-    L = cfg.n_layers
-    mean = stats.mean_layers_per_row or float(L)
-    return dict(row_hist=stats.row_exit_histogram() or f"{L}:0",
-                step_hist=stats.exit_histogram(), mean_layers=mean,
-                ideal_layers=L / mean if mean else 1.0,
-                ideal=ideal_speedup(stats, cfg, exit_config), head_layers=head_layers(cfg),
-                checks_per_step=stats.vocab_checks_per_decode_step)
+    """The exit figures every speed figure comes with (`ee_jax.serving.stats.exit_summary`,
+    the one summary the CLI and the server use too)."""
+    from ee_jax.serving.stats import exit_summary as summary
+
+    return summary(stats, cfg, exit_config)
 
 
 # --------------------------------------------------------------------------- the drive loop

@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
-    from ee_jax.training.tune import TuneConfig, calibration_rows
+    from ee_jax.training.tune import calibration_rows
+    from ee_jax.training.tune_config import TuneConfig
 
     small = ({} if not args.limit else  # generate only the answers that are used
              dict(calib_instructions=args.limit, calib_code_prompts=args.limit,

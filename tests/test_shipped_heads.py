@@ -30,10 +30,10 @@ def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     if (path / "calibration.json").is_file():  # the threshold is the one the table certifies
         import json
 
-        from ee_jax.training import calibrate
+        from ee_jax.models import exit_threshold
 
         cal = json.loads((path / "calibration.json").read_text())
-        assert ec.threshold == calibrate.threshold_from_json(cal, ec.target_agreement)
+        assert ec.threshold == exit_threshold.threshold_from_json(cal, ec.target_agreement)
 
 
 def test_default_model_exits_early_on_humaneval(shipped, smollm2):

@@ -19,7 +19,8 @@ from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import tiny_model
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
-from ee_jax.training.tune import TuneConfig, TuneConfigError, tune
+from ee_jax.training.tune import tune
+from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
 CFG, PARAMS = tiny_model(seed=4)
 MODEL = LoadedModel(CFG, PARAMS, None, "tiny")

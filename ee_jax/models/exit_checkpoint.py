@@ -4,7 +4,7 @@
     <folder>/heads/             orbax StandardCheckpointer item
     <folder>/calibration.json   (optional) errors per threshold on a held-apart split, so a
                                 threshold can be picked for any target agreement at load
-                                (`ee_jax.training.calibrate`)
+                                (`ee_jax.models.exit_threshold`)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ee_jax.errors import ModelLoadError
 from ee_jax.models import backfill_maps, exit_heads
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+from ee_jax.models.exit_threshold import check_target, threshold_from_json
 
 CONFIG = "exit_config.json"
 CALIBRATION = "calibration.json"
@@ -86,15 +87,13 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
     ec = ExitConfig(**d)
     ec.validate_for(cfg)
     if target_agreement is not None:
-        from ee_jax.training import calibrate
-
-        calibrate.check_target(target_agreement)
+        check_target(target_agreement)
         if not (path / CALIBRATION).is_file():
             raise ExitConfigError(
                 f"exit heads in {path} have no {CALIBRATION}: they cannot pick a threshold "
                 f"for target agreement {target_agreement}; set a threshold instead")
         cal = json.loads((path / CALIBRATION).read_text())
-        thr = calibrate.threshold_from_json(cal, target_agreement)
+        thr = threshold_from_json(cal, target_agreement)
         ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
     target = exit_heads.head_shapes(cfg, ec)
     with ocp.StandardCheckpointer() as ckptr:

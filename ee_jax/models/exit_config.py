@@ -67,7 +67,7 @@ class ExitConfig:
     candidates: measure "candidates" only — how many of the first check's top tokens later
     checks score.
     target_agreement: the teacher-forced agreement with full depth that the shipped threshold
-    was calibrated to meet (`ee_jax.training.calibrate`); in (0, 1].
+    was calibrated to meet (`ee_jax.models.exit_threshold`); in (0, 1].
     backfill: what the skipped layers of a token that left early hold. "deferred" (the
     default): K/V projected from its exit state at once, then the row's next decode step
     runs the token's skipped layers for real beside its own token (one more query per row in
