@@ -97,21 +97,14 @@ def split_agreement(outs, refs, n_layers: int) -> tuple[float, float, int]:
     return mean(full), mean(early), len(early)
 
 
-def honest_ideal(cfg, ec, heads, stats, batch: int) -> float:
-    """The step-level ideal (`exit_cost.step_speedup`): what the engine's steps really run
-    under ec's back-fill, memory-bound at batch 1 (this CPU), compute-bound above."""
-    from ee_jax.models import backfill_maps, exit_cost
+def honest_ideal(cfg, ec, heads, stats) -> float:
+    """The step-level ideal of the run (`EngineStats.ideal_speedup_with_head`): what its
+    decode steps really ran under ec's back-fill, memory-bound at batch 1 (this CPU),
+    compute-bound above."""
+    from ee_jax.models import backfill_maps
 
-    counts = stats.step_exit_counts if ec.policy in ("all", "quorum") else stats.row_exit_counts
-    if not counts:
-        return 1.0
-    maps = 0.0
-    if ec.backfill == "learned":
-        maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
-    return exit_cost.step_speedup(
-        exit_cost.cost_model(cfg, ec, completion=0.0), counts, batch, ec.backfill,
-        "memory" if batch == 1 else "compute", exit_cost.kv_fraction(cfg), maps,
-        policy="all" if ec.policy in ("all", "quorum") else "per_row")
+    rank = backfill_maps.rank_of(heads["backfill"]) if "backfill" in heads else 0
+    return stats.ideal_speedup_with_head(cfg, ec, memory_bound_batch=1, maps_rank=rank)
 
 
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
@@ -156,7 +149,7 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             if name in ecs and rep == 0:
                 ex = exit_summary(s.stats, model.config, ecs[name])
                 r.update(mean=ex["mean_layers"], hist=ex["row_hist"],
-                         ideal=honest_ideal(model.config, ecs[name], heads, s.stats, batch),
+                         ideal=honest_ideal(model.config, ecs[name], heads, s.stats),
                          agree=agreement(s.outputs, refs),
                          split=split_agreement(s.outputs, refs, L))
                 ctl = engines[name].engine.controller

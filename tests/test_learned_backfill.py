@@ -222,8 +222,7 @@ def _engine(ec, heads, mesh=None):
 
     return LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
-        mesh=mesh,
-        exit_control=ControllerConfig(mode="exits")), ec, heads)
+        mesh=mesh, exit_control=ControllerConfig(mode="exits")), ec, heads)
 
 
 def _heads(ec, maps):
