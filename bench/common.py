@@ -700,13 +700,14 @@ def sequence_agreement(ours: list[list[int]], theirs: list[list[int]], stops: se
 # --------------------------------------------------------------------------- full depth vs exits
 
 
-def make_llm(model, ec, heads, batch: int, max_len: int):
-    """An LLM of `batch` rows; ec None: the full-depth baseline (`early_exit=False`)."""
+def make_llm(model, ec, heads, batch: int, max_len: int, **engine):
+    """An LLM of `batch` rows; ec None: the full-depth baseline (`early_exit=False`);
+    `engine`: more EngineConfig fields (e.g. exit_control)."""
     from ee_jax.serving.llm import LLM
 
     return LLM(model, exit_config=ec, exit_heads=heads, early_exit=ec is not None,
                progress=False, max_num_seqs=batch, max_model_len=max_len, page_size=16,
-               max_num_batched_tokens=8192, max_prefill_chunk=512)
+               max_num_batched_tokens=8192, max_prefill_chunk=512, **engine)
 
 
 def forced_params(refs: list[list[int]], thresholds=None):

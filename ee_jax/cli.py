@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models.exit_config import BACKFILLS, ExitConfig
+from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
 from ee_jax.serving.compilation import compilation_cache_from_env, enable_compilation_cache
 
 
@@ -107,6 +107,8 @@ def _generate(args) -> int:
     if ec is not None:
         cfg = llm.model.config
         print(format_exit_summary(exit_summary(s, cfg, ec), cfg, ec), file=sys.stderr)
+        print(f"exit program per batch size: {llm.engine.controller.summary()}",
+              file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
@@ -131,10 +133,13 @@ def _timing_lines(s, outs) -> list[str]:
 
 
 def _engine_kwargs(args) -> dict:
+    from ee_jax.serving.controller import ControllerConfig
+
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
                 attention=args.attention, async_scheduling=args.async_scheduling,
-                mixed_steps=args.mixed_steps)
+                mixed_steps=args.mixed_steps,
+                exit_control=ControllerConfig(mode=getattr(args, "exit_control", "auto")))
 
 
 def _join_processes(args) -> None:
@@ -215,11 +220,9 @@ def _exit_kwargs(args, model) -> dict:
     if not args.early_exit:
         return {"early_exit": False}
     overrides = {k: v for k, v in (("threshold", args.exit_threshold),
-                                   ("policy", args.exit_policy)) if v is not None}
-    # Serving default: each row leaves at its own first confident exit. Under "all" a batch
-    # waits for its least confident row, so at a faithful threshold it almost never leaves
-    # (the demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same.
-    overrides.setdefault("policy", "per_row")
+                                   ("policy", args.exit_policy),
+                                   ("backfill", args.backfill)) if v is not None}
+    overrides.setdefault("policy", SERVING_POLICY)  # the one serving default (LLM's too)
     layers = (tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
               if args.exit_layers else None)
     trained = None
@@ -234,7 +237,7 @@ def _exit_kwargs(args, model) -> dict:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
                     threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                    policy=overrides["policy"])
+                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"))
     return {"exit_config": ec}
 
 
@@ -337,6 +340,91 @@ def _eval_options(args):
         command=" ".join(command))
 
 
+def _compile(args) -> int:
+    """Every step program the engine would run on --target, compiled (TPU, CPU) or lowered
+    (CUDA) here, one row each; then whether the config fits the target's memory."""
+    from tqdm.auto import tqdm
+
+    from ee_jax.serving import aot, roofline
+    from ee_jax.serving.engine import EngineConfig
+
+    target = aot.parse_target(args.target)
+    cfg, ec = aot.plan_model(args.model, args.dtype)
+    if not args.early_exit:
+        ec = None
+    elif ec is not None and args.exit_policy:
+        ec = dataclasses.replace(ec, policy=args.exit_policy)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          page_size=args.page_size, num_pages=args.num_pages,
+                          mesh=args.mesh, attention=args.attention)
+    kinds = ("decode",) if args.decode_only else ("decode", "prefill")
+    plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
+    verb = "compiling" if target.compiles else "lowering"
+    print(f"ee-jax compile: {len(plan)} step programs of {args.model} ({cfg.dtype}) for "
+          f"{target.name} ({target.num_devices} device(s), mesh {plan.mesh_spec}), attention "
+          f"{plan.attention}, KV pool {plan.num_pages} pages of {plan.page_size}",
+          file=sys.stderr)
+    chip = target.chip
+    head = f"{'program':<20} {'kind':<7} {'batch':>5} {'tokens':>6} {'pages':>5} " \
+           f"{'seconds':>7} {'memory GiB':>10} {'roofline ms':>11}  note"
+    print(head)
+    rows, t0 = [], time.perf_counter()
+    for row in tqdm(plan.compile(), total=len(plan), desc=verb, unit="program",
+                    file=sys.stderr, disable=args.quiet, leave=False):
+        rows.append(row)
+        s = row.shape
+        mem = "-" if row.device_bytes is None else f"{row.device_bytes / 2**30:.3f}"
+        pred = "-"
+        if row.flops is not None and chip is not None:
+            t = roofline.seconds(roofline.Cost(row.flops, row.bytes_accessed),
+                                 chip.peak_flops, chip.hbm_bytes_per_s)
+            pred = f"{t * 1e3:.3f}" + ("*" if row.variant != "full" else "")
+        note = row.error or ("" if target.compiles else "lowered (exported for cuda)")
+        line = f"{row.variant:<20} {s.kind:<7} {s.batch:>5} {s.tokens:>6} {s.pages:>5} " \
+               f"{row.seconds:>7.1f} {mem:>10} {pred:>11}  {note}"
+        tqdm.write(line, file=sys.stdout)
+    failed = [r for r in rows if r.error]
+    print(f"ee-jax compile: {len(rows) - len(failed)} of {len(rows)} programs "
+          f"{'compiled' if target.compiles else 'lowered'} in {time.perf_counter() - t0:.0f} s"
+          + (f"; {len(failed)} FAILED" if failed else ""))
+    if any(r.flops is not None for r in rows):
+        print("  roofline: max(flops / peak, bytes / bandwidth) from XLA's cost analysis of "
+              "the whole program, as XLA counts it (sampling's vocabulary sort included, a "
+              "loop's body once); * exit programs: one pass of the loop, not the step. "
+              "bench/roofline.py composes the decode step from pieces")
+    mem = aot.memory(plan, rows)
+    if mem is not None:
+        print(f"memory per chip ({chip.name}): {mem.verdict()}")
+    return 1 if failed or (mem is not None and not mem.fits) else 0
+
+
+def _add_compile_parser(sub) -> None:
+    c = sub.add_parser("compile", help="compile every step program for a TPU (ahead of "
+                       "time, on any machine) or lower it for CUDA; memory and roofline")
+    c.add_argument("--target", default="tpu:v5e", help="tpu:v5e (one chip, as Colab), "
+                   "tpu:v5e:2x2, tpu:v6e[:XxY], cuda[:h100|h200] (lowered only), cpu")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf "
+                   "file (its header only), or a shape without weights: random:smollm2-135m, "
+                   "random:llama-3.2-1b, random:llama-3.1-8b")
+    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    c.add_argument("--max-num-seqs", type=int, default=32)
+    c.add_argument("--max-model-len", type=int, default=2048)
+    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--num-pages", type=int, default=None)
+    c.add_argument("--mesh", default=None, help="e.g. tp=4 (needs that many chips)")
+    c.add_argument("--attention", default="auto", help="auto (pallas_tpu on TPU, pallas_gpu "
+                   "on CUDA; reference under a mesh), xla, reference, pallas_tpu, pallas_gpu")
+    c.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the exit programs (the shipped heads' config, scaled to a "
+                   "random shape's depth)")
+    c.add_argument("--exit-policy", choices=["all", "per_row"], default="per_row")
+    c.add_argument("--every-policy", action="store_true", help="exit programs under every "
+                   "policy (all, per_row) and back-fill mode (deferred, propagate)")
+    c.add_argument("--decode-only", action="store_true", help="no prefill programs")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=_compile)
+
+
 def _add_eval_parser(sub) -> None:
     v = sub.add_parser("eval", help="measure early exit's speed and quality; writes "
                        "eval.md and plots into --out-dir")
@@ -414,6 +502,14 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
+    e.add_argument("--backfill", choices=["deferred", "propagate", "learned"], default=None,
+                   help="what a skipped layer's keys/values hold (default: the heads' own): "
+                   "learned (fitted maps, shipped with the heads) saves the layers at near "
+                   "deferred's fidelity; see docs/early_exit.md")
+    e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
+                   help="auto (default): per batch size, run the exit program only where the "
+                   "cost model says its checks pay, else full depth; exits: always the exit "
+                   "program; full: never")
     e.add_argument("--confidence", default="max_prob",
                    choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
     e.add_argument("--exit-head", default="norm", choices=["norm", "adapter", "mlp"])
@@ -503,6 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_calibrate)
     _add_eval_parser(sub)
     _add_serve_parser(sub)
+    _add_compile_parser(sub)
     return p
 
 

@@ -27,6 +27,7 @@ from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.compilation import compiles_on_this_thread
+from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
@@ -51,6 +52,7 @@ class _Launched:
     t0: float
     compiles: bool
     out_idx: list[int]
+    exits: bool = True  # a decode step: whether it ran the exit program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,9 @@ class EngineConfig:
     # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
     # dp (ee_jax.serving.sharding); None: one device.
     mesh: str | None = None
+    # Exit engines: per batch bucket, whether decode steps run the exit program or the
+    # full-depth one (ee_jax.serving.controller; mode "exits": always the exit program).
+    exit_control: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -88,6 +93,15 @@ class EngineConfig:
             max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets,
             prefill_row_tokens=self.prefill_row_tokens,
             prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps)
+
+
+def num_pages_for(cfg: ModelConfig, config: EngineConfig, per_page: int) -> int:
+    """Pages in the KV pool: `num_pages`, else enough for max_num_seqs sequences of
+    max_model_len (plus the null page) within kv_cache_gib; per_page: bytes of one page."""
+    if config.num_pages is not None:
+        return config.num_pages
+    want = config.max_num_seqs * config.scheduler_config().pages_per_seq + 1
+    return max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
 
 
 class LLMEngine:
@@ -105,11 +119,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"context length ({cfg.max_position}); lower max_model_len")
         kv_dtype = config.kv_dtype or cfg.dtype
-        num_pages = config.num_pages
-        if num_pages is None:
-            per_page = bytes_per_page(cfg, config.page_size, kv_dtype)
-            want = config.max_num_seqs * sched_cfg.pages_per_seq + 1
-            num_pages = max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
+        num_pages = num_pages_for(cfg, config,
+                                  bytes_per_page(cfg, config.page_size, kv_dtype))
         if num_pages - 1 < sched_cfg.pages_per_seq:
             raise ValueError(
                 f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
@@ -142,6 +153,10 @@ class LLMEngine:
                                                  sharding=cache_sharding),
                                   exit_config, exit_heads, attention=attention,
                                   max_batch=max(config.batch_buckets), mesh=mesh)
+        self.controller = None
+        if exit_config is not None and exit_config.enabled:
+            self.controller = ExitController(config.exit_control, exit_predictor(
+                cfg, exit_config, config.exit_control, exit_heads))
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read
         self._waited = 0.0  # seconds this step() call waited for the device
@@ -265,6 +280,9 @@ class LLMEngine:
         the step had run (its sampled token PENDING until `_finish` reads it)."""
         self.stats.num_preemptions += len(schedule.preempted)
         batch = self._build_batch(schedule)
+        if schedule.kind == "decode" and self.controller is not None \
+                and not self.controller.use_exits(batch.shape.batch):
+            batch.shape = dataclasses.replace(batch.shape, exits=False)
         t0 = time.perf_counter()
         for row in schedule.rows:
             if row.seq.metrics.first_scheduled_time is None:
@@ -296,7 +314,7 @@ class LLMEngine:
             if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
                     or 0 < len(forced) <= n + 1:
                 seq.awaiting_finish = True
-        return _Launched(schedule, result, t0, compiles, out_idx)
+        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits)
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results (waits for the device) and process them."""
@@ -309,6 +327,9 @@ class LLMEngine:
         dt = now - max(launched.t0, self._last_ready)
         self._last_ready = now
         self._account(launched.schedule, dt, launched.compiles, extra)
+        if launched.schedule.kind == "decode" and self.controller is not None:
+            self.controller.observe(launched.schedule.shape.batch, launched.exits,
+                                    [int(e) for e in extra[:len(launched.schedule.rows), 0]])
         return self._process(launched, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import sys
 import time
@@ -10,7 +11,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving import sharding
 from ee_jax.serving.engine import EngineConfig, LLMEngine
@@ -48,8 +49,9 @@ class LLM:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:
             shipped = self.model.shipped_exit_heads()
-            if shipped is not None:
+            if shipped is not None:  # served under the one serving policy (as the CLI)
                 exit_config, exit_heads = shipped
+                exit_config = dataclasses.replace(exit_config, policy=SERVING_POLICY)
         self.load_time = time.perf_counter() - t0
         config = EngineConfig(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,

@@ -14,7 +14,14 @@ import dataclasses
 
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.exit_cost import cost_model, ideal_speedup_with_head, layer_macs
+from ee_jax.models.exit_cost import (
+    cost_model,
+    ideal_speedup_with_head,
+    kv_fraction,
+    layer_macs,
+    map_fraction,
+    step_speedup,
+)
 
 
 @dataclasses.dataclass
@@ -64,13 +71,23 @@ class EngineStats:
         """Mean layers executed per decoded row (per token of a decode step)."""
         return self.decode_row_layers / self.num_decode_rows if self.num_decode_rows else 0.0
 
-    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
-        """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
-        layer-equivalents (`exit_cost.cost_model`): the honest ceiling beside the measured speed
-        (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
-        if ec is None or not self.row_exit_counts:
+    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None,
+                                memory_bound_batch: int = 1, maps_rank: int = 0) -> float:
+        """The honest ceiling beside the measured speed: what this run's decode steps really
+        ran per back-fill (`exit_cost.step_speedup` at the run's mean rows per step: heads,
+        checks, K/V back-fill and deferred's pending tokens counted, in layer-equivalents),
+        memory-bound up to `memory_bound_batch` rows (a CPU: 1), compute-bound above. L /
+        mean layers leaves out the LM head (~8 layers on SmolLM2) and the back-fill."""
+        if ec is None or not self.row_exit_counts or not self.num_decode_steps:
             return 1.0
-        return ideal_speedup_with_head(cfg, ec, self.row_exit_counts)
+        batch = max(1, round(self.num_decode_rows / self.num_decode_steps))
+        batchwide = ec.policy in ("all", "quorum")
+        counts = self.step_exit_counts if batchwide else self.row_exit_counts
+        return step_speedup(
+            cost_model(cfg, ec, completion=0.0), counts, batch, ec.backfill,
+            "memory" if batch <= memory_bound_batch else "compute", kv_fraction(cfg),
+            map_fraction(cfg, maps_rank) if ec.backfill == "learned" else 0.0,
+            policy="all" if batchwide else "per_row", samples=256)
 
     def snapshot(self) -> EngineStats:
         """A copy of the counters now; `since(snapshot)` gives a window's figures."""
@@ -132,7 +149,8 @@ def exit_summary(stats: EngineStats, cfg: ModelConfig, ec: ExitConfig | None = N
     it), work_fraction (layers x rows computed / full depth's) and checks_per_step
     (vocabulary projections per decode step).
     With exits: exit_head, first_check, later_check (layer-equivalents) and, under back-fill
-    "deferred", ideal_free_completion (the ideal were the skipped layers free)."""
+    "deferred", ideal_free_completion (the per-token ideal were the skipped layers free: what
+    deferred never reaches, since its pending tokens run them)."""
     L = cfg.n_layers
     mean = stats.mean_layers_per_row or float(L)
     rows = sum(stats.row_exit_counts.values())

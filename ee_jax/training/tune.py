@@ -38,6 +38,7 @@ from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.training import cached as C
 from ee_jax.training import data
+from ee_jax.training.backfill_fit import fit_from_rows
 from ee_jax.training.losses import LossWeights, exit_losses
 from ee_jax.training.selfgen import self_generate
 from ee_jax.training.tune_config import TuneConfig, TuneConfigError
@@ -244,7 +245,11 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
                              target_agreement=tc.target_agreement)
     record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
     kept = record.read_text() if record.is_file() else None
-    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal)
+    maps_info = json.loads((Path(heads_dir) / "exit_config.json").read_text()).get(
+        "backfill_maps")  # how the maps were fitted: kept too
+    if maps_info:
+        maps_info = {k: v for k, v in maps_info.items() if k != "file"}
+    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal, maps_info=maps_info)
     if kept is not None:
         record.write_text(kept)
     return cal
@@ -487,6 +492,16 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         work.mkdir(parents=True, exist_ok=True)
         with (work / "loss.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
+    maps_info = None
+    if tc.backfill_rank:  # before calibration: served calibration may use them
+        t0 = time.perf_counter()
+        n_rows = max(1, min(len(train), tc.backfill_tokens // train.shape[1]))
+        fitter = fit_from_rows(cfg, params, ec.exit_layers, train[:n_rows], progress=progress)
+        heads = dict(heads, backfill=fitter.solve(tc.backfill_rank, tc.backfill_ridge))
+        marks["backfill_maps_s"] = time.perf_counter() - t0
+        maps_info = {"rank": tc.backfill_rank, "ridge": tc.backfill_ridge,
+                     "fit_tokens": int(fitter.n), "fit_data": "training rows (dense forward)"}
+        _log(f"back-fill maps: rank {tc.backfill_rank} fitted on {fitter.n} tokens")
     calibration = None
     if ec.measure == "candidates":
         t0 = time.perf_counter()
@@ -507,7 +522,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     out = None
     if save:
         extra = {"calibration": calibration, "timings_s": marks}
-        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration)
+        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration,
+                              maps_info=maps_info)
         (Path(tc.output) / "tune_config.json").write_text(
             json.dumps(dict(dataclasses.asdict(tc), run=extra), indent=2) + "\n")
         _log(f"exit heads -> {out}")

@@ -65,6 +65,11 @@ class TuneConfig:
     target_agreement: float = 0.95
     calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
     backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
+    # learned back-fill maps (`backfill_maps`), fitted after the heads on the training rows'
+    # dense states and shipped beside them (method "cached"); rank 0: none
+    backfill_rank: int = 48
+    backfill_ridge: float = 1e-3
+    backfill_tokens: int = 65536  # training tokens the maps are fitted on
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
     decision_steps: int = 400
     # output
@@ -91,6 +96,12 @@ class TuneConfig:
         if not 0.0 < self.target_agreement <= 1.0:
             raise TuneConfigError(f"target_agreement must be in (0, 1], got "
                                   f"{self.target_agreement}")
+        if self.backfill_rank < 0 or self.backfill_tokens <= 0 or self.backfill_ridge < 0:
+            raise TuneConfigError(f"backfill_rank must be >= 0, backfill_tokens > 0 and "
+                                  f"backfill_ridge >= 0, got {self.backfill_rank}, "
+                                  f"{self.backfill_tokens}, {self.backfill_ridge}")
+        if self.backfill == "learned" and not self.backfill_rank:
+            raise TuneConfigError("backfill 'learned' needs fitted maps: set backfill_rank > 0")
         if self.backfill not in BACKFILLS:
             raise TuneConfigError(f"backfill must be one of {BACKFILLS}, got "
                             f"{self.backfill!r}")
