@@ -43,8 +43,10 @@ def _index():
                     elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                         attrs.add(item.target.id)
                     elif isinstance(item, ast.Assign | ast.AnnAssign):
-                        for t in (item.targets if isinstance(item, ast.Assign)
-                                  else [item.target]):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        targets = [e for t in targets for e in
+                                   (t.elts if isinstance(t, ast.Tuple) else [t])]
+                        for t in targets:
                             if isinstance(t, ast.Name):
                                 attrs.add(t.id)
                             elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
