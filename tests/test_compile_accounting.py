@@ -21,6 +21,8 @@ from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.testing import tiny_model
 
+# Each test compiles a handful of real step programs (tens of seconds on the shared 2-core CPU).
+pytestmark = pytest.mark.slow
 SLOW = 1.0  # seconds every compile inside an engine step is made to take longer
 COMPILE = "/jax/core/compile/backend_compile_duration"
 
