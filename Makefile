@@ -14,8 +14,9 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-tpu-aot.txt
 	$(PIP) -r requirements-test.txt
+	$(PIP) -r requirements-tpu-aot.txt
 	touch $@
 
 # The main job: generate with the default model on a handful of prompts.

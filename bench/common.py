@@ -357,15 +357,11 @@ def ideal_speedup(stats, cfg, exit_config=None) -> float:
 
 
 def exit_summary(stats, cfg, exit_config=None) -> dict:
-    """The exit figures every speed figure comes with: row and step histograms, mean layers
-    per row, the layer-only ideal L / mean and the ideal with the head counted."""
-    L = cfg.n_layers
-    mean = stats.mean_layers_per_row or float(L)
-    return dict(row_hist=stats.row_exit_histogram() or f"{L}:0",
-                step_hist=stats.exit_histogram(), mean_layers=mean,
-                ideal_layers=L / mean if mean else 1.0,
-                ideal=ideal_speedup(stats, cfg, exit_config), head_layers=head_layers(cfg),
-                checks_per_step=stats.vocab_checks_per_decode_step)
+    """The exit figures every speed figure comes with (`ee_jax.serving.stats.exit_summary`,
+    the one summary the CLI and the server use too)."""
+    from ee_jax.serving.stats import exit_summary as summary
+
+    return summary(stats, cfg, exit_config)
 
 
 # --------------------------------------------------------------------------- the drive loop
@@ -704,13 +700,14 @@ def sequence_agreement(ours: list[list[int]], theirs: list[list[int]], stops: se
 # --------------------------------------------------------------------------- full depth vs exits
 
 
-def make_llm(model, ec, heads, batch: int, max_len: int):
-    """An LLM of `batch` rows; ec None: the full-depth baseline (`early_exit=False`)."""
+def make_llm(model, ec, heads, batch: int, max_len: int, **engine):
+    """An LLM of `batch` rows; ec None: the full-depth baseline (`early_exit=False`);
+    `engine`: more EngineConfig fields (e.g. exit_control)."""
     from ee_jax.serving.llm import LLM
 
     return LLM(model, exit_config=ec, exit_heads=heads, early_exit=ec is not None,
                progress=False, max_num_seqs=batch, max_model_len=max_len, page_size=16,
-               max_num_batched_tokens=8192, max_prefill_chunk=512)
+               max_num_batched_tokens=8192, max_prefill_chunk=512, **engine)
 
 
 def forced_params(refs: list[list[int]], thresholds=None):

@@ -337,7 +337,7 @@ def collectives(args) -> None:
         engine = LLMEngine(cfg, params, None, EngineConfig(
             max_num_seqs=B, max_model_len=256, page_size=16, num_pages=B * 16 + 1,
             batch_buckets=(B,), mesh=f"tp={tp}" if tp > 1 else None,
-            compilation_cache_dir=None, attention=args.attention))
+            attention=args.attention))
         runner = engine.runner
         shape = StepShape(B, 1, 16, kind="decode")
         hlo = runner.lower(shape).compile().as_text()

@@ -364,7 +364,9 @@ def _import_from(tree: Path) -> None:
     sys.path.insert(0, str(tree.resolve()))
     from ee_jax.serving import engine
 
-    stats = engine.EngineStats
+    stats = getattr(engine, "EngineStats", None)  # trees before ee_jax/serving/stats.py
+    if stats is None:
+        from ee_jax.serving.stats import EngineStats as stats
     if not hasattr(stats, "snapshot"):
         def snapshot(self):
             return copy.deepcopy(self)

@@ -529,7 +529,7 @@ def test_engine_matches_contiguous_reference(engine_name, request):
 
 
 def test_exit_stats_summaries():
-    from ee_jax.serving.engine import EngineStats
+    from ee_jax.serving.stats import EngineStats
 
     s = EngineStats(num_decode_steps=4, decode_layers_run=1 + 2 + 2 + 4,
                     step_exit_counts={4: 1, 1: 1, 2: 2})

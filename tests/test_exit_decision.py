@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from ee_jax.models import exit_checks, exit_cost, exit_heads, llama
+from ee_jax.models import exit_checks, exit_cost, exit_heads, exit_threshold, llama
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 from ee_jax.models.exit_config import (
     DECISION_HIDDEN,
@@ -197,7 +197,7 @@ def test_bad_subsets_targets_and_mismatched_models_are_clear_errors():
         with pytest.raises(ExitConfigError, match="target_agreement"):
             ExitConfig(exit_layers=(1,), target_agreement=bad)
         with pytest.raises(ExitConfigError, match="target agreement"):
-            calibrate.check_target(bad)
+            exit_threshold.check_target(bad)
     with pytest.raises(ExitConfigError, match="vocab_subset"):
         ExitConfig(exit_layers=(1,), vocab_subset=CFG.vocab_size + 1).validate_for(CFG)
     with pytest.raises(ExitConfigError, match="candidates"):
@@ -208,13 +208,13 @@ def test_subset_heads_round_trip_and_pick_a_threshold_per_target(tmp_path):
     ec, heads = subset_heads(CFG, PARAMS)
     conf = np.linspace(0, 1, 300)[None].repeat(3, 0)
     agree = conf > 0.3
-    table = calibrate.calibration_table(conf, agree, ec.exit_layers, CFG.n_layers)
+    table = exit_threshold.calibration_table(conf, agree, ec.exit_layers, CFG.n_layers)
     save_exit_heads(tmp_path / "h", CFG, ec, heads, calibration=table.to_json())
     ec2, back = load_exit_heads(tmp_path / "h", CFG)
     np.testing.assert_array_equal(np.asarray(back["vocab"]), SUBSET)
     assert ec2 == ec
     ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.9)
-    assert ec3.threshold == calibrate.pick_threshold(table, 0.9)
+    assert ec3.threshold == exit_threshold.pick_threshold(table, 0.9)
     assert ec3.target_agreement == 0.9
     with pytest.raises(ExitConfigError, match="target agreement"):
         load_exit_heads(tmp_path / "h", CFG, target_agreement=1.5)
@@ -239,9 +239,9 @@ def test_learn_then_test_picks_the_threshold_the_guarantee_says(bad, n_good, bad
     conf = np.concatenate([np.full(n_bad, bad), rng.uniform(bad + 1e-3, 1.0, n_good)])
     agree = np.concatenate([np.zeros(n_bad, bool), np.ones(n_good, bool)])
     grid = tuple(np.round(np.arange(0.99, 0.0, -0.01), 2))
-    table = calibrate.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
+    table = exit_threshold.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
     n, eps = n_bad + n_good, 1 - target
-    got = calibrate.pick_threshold(table, target, delta)
+    got = exit_threshold.pick_threshold(table, target, delta)
     if stats.binom.cdf(0, n, eps) <= delta and n_bad / n > 2 * eps + 3 / np.sqrt(n):
         want = min(t for t in grid if t > bad)
         assert got == want
@@ -269,14 +269,14 @@ def test_group_rule_is_the_highest_groups_certified_threshold(bads, n_good):
         n = n_good * (g + 1)  # sizes differ: pooling would let the largest group dominate
         conf = np.concatenate([np.full(n, bad), rng.uniform(bad + 1e-3, 1.0, n)])
         agree = np.concatenate([np.zeros(n, bool), np.ones(n, bool)])
-        tables[f"g{g}"] = calibrate.calibration_table(conf[None], agree[None], (1,), 4,
-                                                      grid=grid)
-    got = calibrate.pick_threshold_groups(tables, 0.9, 0.1)
+        tables[f"g{g}"] = exit_threshold.calibration_table(conf[None], agree[None], (1,), 4,
+                                                           grid=grid)
+    got = exit_threshold.pick_threshold_groups(tables, 0.9, 0.1)
     assert got == min(t for t in grid if t > max(bads))
     cal = {"delta": 0.1, "groups": {k: t.to_json() for k, t in tables.items()}}
-    assert calibrate.threshold_from_json(cal, 0.9) == got
+    assert exit_threshold.threshold_from_json(cal, 0.9) == got
     with pytest.raises(ValueError, match="no calibration groups"):
-        calibrate.pick_threshold_groups({}, 0.9)
+        exit_threshold.pick_threshold_groups({}, 0.9)
 
 
 def test_correlated_errors_are_not_certified_by_the_cluster_test():
@@ -293,14 +293,14 @@ def test_correlated_errors_are_not_certified_by_the_cluster_test():
                            (np.arange(30), 0.99)):
         agree = np.ones((1, 1000), bool)
         agree[0, wrong_at.reshape(-1)] = False
-        table = calibrate.calibration_table(conf, agree, (1,), 4, grid=grid,
-                                            clusters=clusters)
+        table = exit_threshold.calibration_table(conf, agree, (1,), 4, grid=grid,
+                                                 clusters=clusters)
         assert table.errors == (0, 30)
-        assert calibrate.pick_threshold(table, 0.95, 0.1) == want
+        assert exit_threshold.pick_threshold(table, 0.95, 0.1) == want
         # without clusters the binomial test alone certifies the low threshold both times
-        plain = calibrate.calibration_table(conf, agree, (1,), 4, grid=grid)
-        assert calibrate.pick_threshold(plain, 0.95, 0.1) == 0.5
-    assert calibrate.p_value_clustered([30] + [0] * 9, [100] * 10, 0.05) == pytest.approx(
+        plain = exit_threshold.calibration_table(conf, agree, (1,), 4, grid=grid)
+        assert exit_threshold.pick_threshold(plain, 0.95, 0.1) == 0.5
+    assert exit_threshold.p_value_clustered([30] + [0] * 9, [100] * 10, 0.05) == pytest.approx(
         stats.norm.cdf(-2 / 3), rel=1e-9)
 
 
@@ -404,7 +404,8 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     reference above: same errors per threshold in every group, same shipped threshold, the
     heads themselves untouched, the run record kept."""
     from ee_jax.models.loading import LoadedModel
-    from ee_jax.training.tune import TuneConfig, TuneConfigError, calibrate_heads
+    from ee_jax.training.tune import calibrate_heads
+    from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
     params = jax.tree.map(jnp.asarray, PARAMS)
     layers = dict(params["layers"])  # layers 3 and 4 add nothing: exits 2 and 3 agree with
@@ -456,8 +457,8 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     assert (tmp_path / "h" / "tune_config.json").read_text() == '{"run": "kept"}\n'
     # the shipped table re-picks per target with the same rule
     ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.6)
-    assert ec3.threshold == calibrate.pick_threshold_groups(
-        {g: calibrate.CalibrationTable.from_json(v) for g, v in cal["groups"].items()}, 0.6,
+    assert ec3.threshold == exit_threshold.pick_threshold_groups(
+        {g: exit_threshold.CalibrationTable.from_json(v) for g, v in cal["groups"].items()}, 0.6,
         delta)
     # bad input: nothing to calibrate on, or heads without decision MLPs
     with pytest.raises(TuneConfigError, match="no calibration answers"):
@@ -532,7 +533,7 @@ def test_shipping_a_served_calibration_sets_the_default_threshold_and_says_how(t
         n = 500
         conf = np.concatenate([np.full(n, bad), rng.uniform(bad + 1e-3, 1.0, n)])
         agree = np.concatenate([np.zeros(n, bool), np.ones(n, bool)])
-        tables[g] = calibrate.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
+        tables[g] = exit_threshold.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
     want = {g: min(t for t in grid if t > bad) for g, bad in bads.items()}  # 0.63 0.71 0.66
 
     ec, heads = subset_heads(CFG, PARAMS)
@@ -557,7 +558,7 @@ def test_shipping_a_served_calibration_sets_the_default_threshold_and_says_how(t
     assert shipped["previous"] == json.loads(json.dumps({"measure": "dense", **dense}))
     # another target re-picks from the served tables with the same rule
     ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.6)
-    assert ec3.threshold == calibrate.pick_threshold_groups(tables, 0.6, 0.1)
+    assert ec3.threshold == exit_threshold.pick_threshold_groups(tables, 0.6, 0.1)
     # bad input: a threshold the tables do not certify, a folder without heads, a bad target
     with pytest.raises(ValueError, match="not what its tables certify"):
         calibrate.ship_calibration(tmp_path / "h", dict(cal, threshold=0.63))
@@ -565,3 +566,41 @@ def test_shipping_a_served_calibration_sets_the_default_threshold_and_says_how(t
         calibrate.ship_calibration(tmp_path / "none", cal)
     with pytest.raises(ExitConfigError, match="target agreement"):
         calibrate.served_calibration(tables, 1.5)
+
+
+def test_calibrate_is_a_cli_command_that_ships_a_served_pick(tmp_path, capsys):
+    """`ee-jax calibrate --served --tables FILE --ship` re-picks from served tables written
+    before (no decoding) and ships the pick: the heads then load at the threshold the tables
+    certify (`pick_threshold_groups`, the statistics' own rule), the printed pick says so, and
+    the shipped calibration.json records the command."""
+    import json
+
+    from ee_jax.cli import main as cli_main
+
+    grid = tuple(np.round(np.arange(0.99, 0.5, -0.01), 2))
+    rng = np.random.default_rng(1)
+    tables = {}
+    for g, bad in {"instructions": 0.62, "code": 0.7}.items():
+        conf = np.concatenate([np.full(400, bad), rng.uniform(bad + 1e-3, 1.0, 400)])
+        agree = np.concatenate([np.zeros(400, bool), np.ones(400, bool)])
+        tables[g] = exit_threshold.calibration_table(conf[None], agree[None], (1,), 4, grid=grid)
+    ec, heads = subset_heads(CFG, PARAMS)
+    save_exit_heads(tmp_path / "h", CFG, ec, heads)
+    saved = calibrate.served_calibration(tables, 0.9, 0.1, command="made before")
+    (tmp_path / "tables.json").write_text(json.dumps(saved))
+    (tmp_path / "preset.yaml").write_text(f"output: {tmp_path / 'h'}\ntarget_agreement: 0.9\n")
+    argv = ["calibrate", "--config", str(tmp_path / "preset.yaml"), "--served", "--tables",
+            str(tmp_path / "tables.json"), "--ship"]
+    assert cli_main(argv) == 0
+    want = exit_threshold.pick_threshold_groups(tables, 0.9, 0.1)
+    assert want == 0.71  # the code group's: the lowest grid point above 0.7
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["threshold"] == want
+    ec2, _ = load_exit_heads(tmp_path / "h", CFG)
+    assert ec2.threshold == want
+    shipped = json.loads((tmp_path / "h" / "calibration.json").read_text())
+    assert shipped["command"].startswith("ee-jax calibrate --config")
+    assert "made before" in shipped["command"]
+    # --ship without --served is refused in one line
+    assert cli_main(["calibrate", "--config", str(tmp_path / "preset.yaml"), "--ship"]) == 2
+    assert "go with --served" in capsys.readouterr().err

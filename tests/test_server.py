@@ -398,6 +398,9 @@ def test_metrics_count_what_was_served(served):
     assert delta("eejax_rejected_requests_total{status=400}") == 1
     assert after["eejax_kv_pages_used"] == 0 and after["eejax_model_layers"] == 4
     assert after["eejax_exit_layer_bucket{le=3.0}"] == before.get("eejax_exit_layer_bucket{le=3.0}")
+    # the exit summary's figures (the CLI's too): full depth sets no ceiling above 1 and
+    # computes every layer of every row
+    assert after["eejax_ideal_speedup"] == 1.0 and after["eejax_work_fraction"] == 1.0
     assert streamed[-1].choices[0].finish_reason is not None
 
 

@@ -4,6 +4,8 @@ and the data splits keep evaluation text out of training."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,8 @@ from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import tiny_model
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
-from ee_jax.training.tune import TuneConfig, TuneConfigError, tune
+from ee_jax.training.tune import tune
+from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
 CFG, PARAMS = tiny_model(seed=4)
 MODEL = LoadedModel(CFG, PARAMS, None, "tiny")
@@ -109,7 +112,7 @@ def test_everyday_training_requests_change_the_data_key_only_when_asked_for():
     assert len(data.everyday_requests("train", 40)) == 40
 
 
-@pytest.mark.parametrize("backfill", ["propagate", "deferred"])
+@pytest.mark.parametrize("backfill", ["propagate", "deferred", "learned"])
 def test_tune_config_backfill_reaches_the_exit_config(backfill):
     # the heads are calibrated for one back-fill; the exit_config.json they ship with says it
     ec = TuneConfig(exit_layers=(1, 2), backfill=backfill).exit_config()
@@ -198,7 +201,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     before = jax.tree.map(np.array, PARAMS)
     tc = tiny_tune_config(tmp_path, method="cached", measure="candidates", vocab_subset=64,
                           candidates=4, kl_vocab=96, teacher_topk=4, epochs=3,
-                          decision_steps=20, target_agreement=0.5)
+                          decision_steps=20, target_agreement=0.5, backfill_rank=4)
     calib = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 24)).astype(np.int32)
     res = tune(tc, model=MODEL, train=ROWS, held_out=ROWS[:2], calib=calib, progress=False)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(PARAMS), strict=True):
@@ -220,5 +223,9 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert ec2.threshold == res.exit_config.threshold
     assert ec2.threshold == NEVER or 0.0 < ec2.threshold < 1.0
     assert ec2.backfill == tc.backfill
+    # learned back-fill maps fitted and shipped beside the heads, recorded in exit_config.json
+    assert heads["backfill"]["a"].shape[-1] == tc.backfill_rank
+    record = json.loads((Path(tc.output) / "exit_config.json").read_text())["backfill_maps"]
+    assert record["rank"] == tc.backfill_rank and record["fit_tokens"] > 0
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
     assert ec3.threshold == NEVER  # agreement 1 cannot be certified with errors allowed

@@ -20,9 +20,10 @@ from ee_jax.evaluation.nll import FullModelNLL
 from ee_jax.evaluation.report import EvalReport, write_report
 from ee_jax.evaluation.simulate import simulate_exits
 from ee_jax.evaluation.sweep import run_sweep
-from ee_jax.models import exit_heads
+from ee_jax.models import exit_heads, registry
+from ee_jax.models.exit_checkpoint import load_exit_heads
 from ee_jax.models.exit_config import POLICIES, ExitConfig, every
-from ee_jax.models.loading import LoadedModel
+from ee_jax.models.loading import LoadedModel, load_model
 
 WORKLOADS = ("humaneval", "instructions")
 
@@ -61,8 +62,6 @@ def log(msg: str) -> None:
 
 def shipped_heads(model: LoadedModel) -> tuple[str, ExitConfig, object] | None:
     """The heads shipped for a registry model: (description, ExitConfig, heads), or None."""
-    from ee_jax.models import registry
-
     shipped = model.shipped_exit_heads()
     if shipped is None:
         return None
@@ -82,13 +81,9 @@ def evaluate(opts: EvalOptions, *, model: LoadedModel | None = None,
     their own.
     """
     if model is None:
-        from ee_jax.models.loading import load_model
-
         model = load_model(opts.model, dtype=opts.dtype, progress=opts.progress)
     cfg, params, tok = model.config, model.params, model.tokenizer
     if heads is None and opts.exit_heads:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-
         heads = (str(opts.exit_heads), *load_exit_heads(opts.exit_heads, cfg))
     if heads is None:
         heads = shipped_heads(model)

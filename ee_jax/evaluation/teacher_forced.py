@@ -33,6 +33,9 @@ from ee_jax.evaluation import prompts as P
 from ee_jax.evaluation.layerwise import ExitPredictions, exit_predictions
 from ee_jax.evaluation.simulate import simulate_exits
 from ee_jax.models import exit_cost
+from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.loading import load_model
+from ee_jax.training.selfgen import self_generate
 
 SKETCH = {21: 0.67, 24: 0.79, 27: 0.84}  # per-exit agreement of the planning sketch
 
@@ -51,8 +54,6 @@ def workload_items(n_instructions: int, n_humaneval: int) -> dict[str, list[tupl
 def answers(model, items: list[tuple[str, str]], cache: Path, max_tokens: int
             ) -> tuple[list[list[int]], list[int]]:
     """(prompt + full-depth answer ids, index of the first position predicting the answer)."""
-    from ee_jax.training.selfgen import self_generate
-
     seqs = self_generate(model, items, max_tokens=max_tokens, batch=48, cache=cache)
     tok = model.tokenizer
     starts = []
@@ -204,9 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     command = "python -m ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:])
     if a.resimulate:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-        from ee_jax.models.loading import load_model
-
         old = json.loads(Path(a.resimulate).read_text())
         cfg = load_model(a.model, dtype="float32", progress=False).config
         ec, _ = load_exit_heads(a.heads, cfg)
@@ -218,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"({old['date']}; the same heads, so the same confidences): only the "
                         f"thresholds are new. The baseline rows are that run's.")
         return _write(Path(a.out), res)
-    from ee_jax.models.exit_checkpoint import load_exit_heads
-    from ee_jax.models.loading import load_model
 
     model = load_model(a.model, dtype="float32", progress=False)
     ec, heads = load_exit_heads(a.heads, model.config)

@@ -22,12 +22,18 @@ from ee_jax.models.config import ModelConfig
 HeadType = Literal["norm", "adapter", "mlp"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
-Backfill = Literal["propagate", "deferred"]
+Backfill = Literal["propagate", "deferred", "learned"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp")
 POLICIES = ("all", "quorum", "never", "per_row")
-BACKFILLS = ("propagate", "deferred")
+BACKFILLS = ("propagate", "deferred", "learned")
+# The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
+# calibrated under: each row leaves at its own first confident exit. Under "all" a batch waits
+# for its least confident row, so at a faithful threshold it almost never leaves (the CLI
+# demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same. Where
+# the checks still do not pay, the engine's controller runs full depth (serving.controller).
+SERVING_POLICY = "per_row"
 NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
 N_FEATURES = 9  # candidate features per check (`candidate_features`)
 DECISION_HIDDEN = 16  # width of the per-exit decision MLP
@@ -61,7 +67,7 @@ class ExitConfig:
     candidates: measure "candidates" only — how many of the first check's top tokens later
     checks score.
     target_agreement: the teacher-forced agreement with full depth that the shipped threshold
-    was calibrated to meet (`ee_jax.training.calibrate`); in (0, 1].
+    was calibrated to meet (`ee_jax.models.exit_threshold`); in (0, 1].
     backfill: what the skipped layers of a token that left early hold. "deferred" (the
     default): K/V projected from its exit state at once, then the row's next decode step
     runs the token's skipped layers for real beside its own token (one more query per row in
@@ -71,7 +77,11 @@ class ExitConfig:
     the row's next step is a prefill step (mixed steps run decode rows at full depth and
     drop what they complete). "propagate" (CALM's state propagation, the reference design's
     fill): the projected K/V, for good; on SmolLM2 they cost later tokens 3-12x more
-    agreement with full depth (docs/benchmarks.md).
+    agreement with full depth (docs/benchmarks.md). "learned": propagate's cost (the
+    skipped layers are never run) with fitted maps correcting the projected K/V towards full
+    depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
+    Deferred saves no layer (DESIGN section 5: a step with a pending token runs every
+    layer); propagate and learned do.
     """
 
     exit_layers: tuple[int, ...] = ()

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import llama
+from ee_jax.models import backfill_maps, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import DECISION_HIDDEN, N_FEATURES, ExitConfig, ExitConfigError
 from ee_jax.models.quant import out_major_matmul
@@ -129,6 +129,7 @@ def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
 
 CANDIDATE_DTYPES = ("int8",)  # `with_vocab_rows(candidate_dtype=...)`; None: exact search
 # Leaves `with_vocab_rows` derives from the model's LM head: held for serving, never saved.
+BACKFILL_MAPS = "backfill"  # learned back-fill maps beside the heads (`backfill_maps`)
 DERIVED_LEAVES = ("vocab_rows", "vocab_rows_q", "vocab_rows_scale")
 
 
@@ -153,7 +154,7 @@ def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
                               f"{CANDIDATE_DTYPES} or None (search the f32 rows)")
     if "vocab" not in heads:
         return heads
-    heads = without_derived(heads)
+    heads = {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
     ids = jnp.asarray(heads["vocab"])
     rows = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
             else jnp.take(params["lm_head"], ids, axis=1).T)
@@ -164,10 +165,11 @@ def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
 
 
 def without_derived(heads):
-    """heads without the leaves `with_vocab_rows` derives (what a checkpoint holds)."""
+    """heads without the leaves `with_vocab_rows` derives and without the back-fill maps
+    (what the heads' orbax checkpoint holds; the maps have their own file)."""
     if not isinstance(heads, dict):
         return heads
-    return {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
+    return {k: v for k, v in heads.items() if k not in (*DERIVED_LEAVES, BACKFILL_MAPS)}
 
 
 @jax.jit
@@ -183,7 +185,15 @@ def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
     """Raise ExitConfigError unless `heads` has exactly the shapes this config needs (plus,
-    optionally, the derived leaves of `with_vocab_rows`)."""
+    optionally, the derived leaves of `with_vocab_rows` and learned back-fill maps under
+    "backfill", which back-fill "learned" requires; `backfill_maps.check_maps`)."""
+    if isinstance(heads, dict) and BACKFILL_MAPS in heads:
+        backfill_maps.check_maps(cfg, ec.exit_layers, heads[BACKFILL_MAPS])
+        heads = {k: v for k, v in heads.items() if k != BACKFILL_MAPS}
+    elif ec.backfill == "learned":
+        raise ExitConfigError("back-fill 'learned' needs fitted maps beside the heads "
+                              "(heads['backfill'], saved as backfill_maps.safetensors by ee-jax "
+                              "tune): fit them, or serve back-fill 'propagate' or 'deferred'")
     want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in
             jax.tree_util.tree_leaves_with_path(head_shapes(cfg, ec))}
     derived = {"vocab_rows": (ec.vocab_subset, cfg.d_model),

@@ -24,6 +24,7 @@ sees no key (padding rows, kv_lens == 0) gives zeros. `layer` may be a traced in
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,18 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     return out[:, None].astype(q.dtype)
 
 
+# Mosaic's block rule: a block's last two dimensions are multiples of 8 and 128, or equal to
+# the array's. The kernel's running max and sum outputs are [B, H, 1] (or [B, H, 1, 1]) under
+# the query's block spec, whose last dimension is head_dim: only head_dim % 128 == 0 passes
+# (SmolLM2's 64 is refused in Mosaic lowering, found compiling for TPU v5e ahead of time).
+TPU_LANES = 128
+
+
+def tpu_kernel_fits(head_dim: int) -> bool:
+    """Whether JAX's Pallas TPU paged-attention kernel lowers for this head_dim."""
+    return head_dim % TPU_LANES == 0
+
+
 def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
                scale: float | None = None, window: jax.Array | None = None,
                softcap: float | None = None, interpret: bool = False) -> jax.Array:
@@ -299,10 +312,13 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     The kernel has no scale argument (q is scaled first) and computes q.k and p.v with K and
     V rounded to bf16 whatever the cache dtype (its page loader's dequantize step casts to
     bf16), so on an f32 cache it agrees with the reference to bf16 precision, not f32.
+    Decided from the shapes at trace time: a head_dim Mosaic refuses (`tpu_kernel_fits`:
+    not a multiple of 128, e.g. SmolLM2's 64) takes `xla`; the interpreter has no such rule
+    and runs the kernel on any head_dim.
     `interpret=True` runs it on CPU under Pallas' TPU interpreter (tests).
     """
     *_, hd, S, W = _check(q, cache, meta)
-    if not _kernel_applies(q, window, softcap):
+    if not _kernel_applies(q, window, softcap) or not (interpret or tpu_kernel_fits(hd)):
         return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_kernel
@@ -331,13 +347,28 @@ _AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "palla
          "tpu": "pallas_tpu"}
 
 
+# The platform programs are being built for, when it is not this host's (`target_platform`).
+_TARGET = contextvars.ContextVar("ee_jax_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+    """Within: backends are picked for `platform` ("tpu", "cuda", "cpu"), not for JAX's
+    default backend (compiling ahead of time for another machine: `ee_jax.serving.aot`)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
     """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
-    elsewhere. `platform` defaults to JAX's default backend."""
+    elsewhere. `platform` defaults to the `target_platform`, else JAX's default backend."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: choose one of "
                          f"{['auto', *BACKENDS]}")
-    platform = (platform or jax.default_backend()).lower()
+    platform = (platform or _TARGET.get() or jax.default_backend()).lower()
     if name == "auto":
         name = _AUTO.get(platform, "xla")
     kernel_platform = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
@@ -350,4 +381,4 @@ def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "layer_pages", "pallas_gpu", "pallas_tpu", "reference",
-           "select_backend", "xla"]
+           "select_backend", "target_platform", "tpu_kernel_fits", "xla"]

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
@@ -56,6 +56,9 @@ class StepShape:
     tokens: int
     pages: int
     kind: str = "decode"
+    # decode only: False runs the full-depth program (no checks compiled in) where the exit
+    # controller found that checks do not pay (`ee_jax.serving.controller`)
+    exits: bool = True
 
     def __post_init__(self):
         if self.kind not in ("prefill", "decode"):
@@ -168,6 +171,19 @@ def pack_results(tokens: jax.Array, logprobs: jax.Array, *extra: jax.Array) -> j
     return jnp.stack(cols, axis=1)
 
 
+def _place(tree: Any, where: Any) -> Any:
+    """`tree` on `where` (a sharding, or a tree of them): arrays are put there; abstract leaves
+    (`jax.ShapeDtypeStruct`, compiling for another machine) get the sharding attached."""
+    def one(a, s):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return sharding.shard(a, s)
+
+    if isinstance(where, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: one(a, where), tree)
+    return jax.tree.map(one, tree, where)
+
+
 def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     out = np.asarray(out)
     return out[:, 0], out[:, 1].view(np.float32), out[:, 2:]
@@ -216,7 +232,7 @@ class StepProgram:
         meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"],
                                  inp["block_positions"] if blocks else None,
                                  inp["block_rows"] if blocks else None)
-        policy = policy_for(c.exit_config, shape.kind)
+        policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
         prev = inp["pend_row"]  # rows of the latest decode step, or -1
         at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
         rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
@@ -260,7 +276,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, device: jax.Device | None = None):
+        """`device`: where a runner without a mesh runs (default: the first local device).
+        Abstract params, heads and cache (`jax.ShapeDtypeStruct` leaves, as
+        `ee_jax.serving.aot` builds them) make a runner that can only `lower` and `compile`,
+        for a device this machine may not have: nothing is allocated."""
+        abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
         self.cfg = cfg
         self.mesh = mesh
         self.cache = cache
@@ -272,36 +293,38 @@ class ModelRunner:
                 exit_heads = init_heads(cfg, exit_config, params)
             check_heads(cfg, exit_config, exit_heads)
             # The subset's LM-head rows gathered once here, not in every step's first check.
-            exit_heads = with_vocab_rows(params, exit_heads, cfg)
+            exit_heads = jax.eval_shape(lambda p, h: with_vocab_rows(p, h, cfg), params,
+                                        exit_heads) \
+                if abstract else with_vocab_rows(params, exit_heads, cfg)
         self.params, self.exit_heads = params, exit_heads
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
             params = quant.dequantize_params(params, cfg.jnp_dtype) \
                 if quant.has_blocks(params) else params  # GGUF blocks: not sharded as such
-            self.params = sharding.shard(params, sharding.param_shardings(params, cfg, mesh))
+            self.params = _place(params, sharding.param_shardings(params, cfg, mesh))
             if exit_heads is not None:
-                self.exit_heads = sharding.shard(
+                self.exit_heads = _place(
                     exit_heads, sharding.param_shardings(exit_heads, cfg, mesh))
         else:  # every argument committed to the device from the start (no copy): jit keys
             # its programs on whether an argument is committed, and the donated cache comes
             # back committed after the first step (and an exit engine's heads may be), so
             # the second step of a shape compiled again, uncounted (exit engines' first run)
-            device = jax.local_devices()[0]
-            self.params, self.exit_heads, self.cache = jax.device_put(
-                (self.params, self.exit_heads, self.cache), device)
+            device = device or jax.local_devices()[0]
+            self.params, self.exit_heads, self.cache = _place(
+                (self.params, self.exit_heads, self.cache), SingleDeviceSharding(device))
         # The shapes this runner has run or compiled, each with the traces that took (0: the
         # shared program had it already; more than 1 would be a recompile).
         self.traces: dict[StepShape, int] = {}
         self.max_batch = max_batch
         # The last step's sampled tokens, on the device, padded to max_batch: the next step
         # reads its decode rows' inputs from here before the host has seen them.
-        self.last_tokens = jnp.zeros((max_batch,), jnp.int32)
         # The latest step's tokens that left early, for back-fill "deferred": the next decode
         # step runs their skipped layers beside the rows' own tokens (step.Pending).
-        self.pending = Pending.none(max_batch, cfg)
-        self.last_tokens, self.pending = jax.device_put(
-            (self.last_tokens, self.pending), jax.local_devices()[0]) if mesh is None else \
-            jax.tree.map(lambda a: sharding.shard(a, sharding.replicated(mesh)),
-                         (self.last_tokens, self.pending))
+        def state():
+            return jnp.zeros((max_batch,), jnp.int32), Pending.none(max_batch, cfg)
+
+        self.last_tokens, self.pending = _place(
+            jax.eval_shape(state) if abstract else state(),
+            SingleDeviceSharding(device) if mesh is None else sharding.replicated(mesh))
         self.program = step_program(StepConfig(cfg, exit_config, attention, mesh))
         self._step = self.program.jitted
 
@@ -316,7 +339,8 @@ class ModelRunner:
         if distributed.is_multiprocess():
             s = batch.shape
             distributed.broadcast_header(np.asarray(
-                [distributed.GO, s.batch, s.tokens, s.pages, _KINDS.index(s.kind)], np.int32))
+                [distributed.GO, s.batch, s.tokens, s.pages,
+                 _KINDS.index(s.kind) + (0 if s.exits else len(_KINDS))], np.int32))
             distributed.broadcast_buffer(buf, s.size)
         out = self._launch(batch.shape, buf)
         return out.addressable_data(0) if distributed.is_multiprocess() else out
@@ -351,7 +375,8 @@ class ModelRunner:
             go, b, t, w, kind = distributed.broadcast_header(None).tolist()
             if go == distributed.STOP:
                 return n
-            shape = StepShape(b, t, w, kind=_KINDS[kind])
+            shape = StepShape(b, t, w, kind=_KINDS[kind % len(_KINDS)],
+                              exits=kind < len(_KINDS))
             self._launch(shape, distributed.broadcast_buffer(None, shape.size))
             n += 1
 

@@ -63,7 +63,7 @@ from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.backfill import backfill
+from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import KVCache
 from ee_jax.serving.paged_model import paged_layer
 
@@ -421,8 +421,11 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
     first = ec.first_exit or 0
     if not deferred:
+        # back-fill "learned": each row's fitted maps for its exit (table: -1 at L and 0)
+        learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0])
+                   if ec.backfill == "learned" else None)
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
-                         any_exit=jnp.any(left))
+                         any_exit=jnp.any(left), learned=learned)
         return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
                           work=s.work, pending=Pending.none(B, cfg)), cache
     # The pending token ran every layer its row ran above its own progress: complete if the

@@ -16,7 +16,7 @@ import optax
 sys.path.insert(0, ".")
 from ee_jax.models import exit_cost
 from ee_jax.models.loading import load_model
-from ee_jax.training import calibrate
+from ee_jax.models import exit_threshold
 
 LAYERS = np.arange(16, 30)
 L = 30
@@ -118,8 +118,8 @@ def table_of(d, f, a, m, clusters, use_prev):
                                     weights=wrong[m], minlength=k).astype(int).tolist()))
     sizes = tuple(np.bincount(np.broadcast_to(clusters[:, None], m.shape)[m],
                               minlength=k).tolist())
-    return calibrate.CalibrationTable(GRID, tuple(errors), tuple(exited), tuple(mean),
-                                      int(m.sum()), sizes, tuple(by))
+    return exit_threshold.CalibrationTable(GRID, tuple(errors), tuple(exited), tuple(mean),
+                                           int(m.sum()), sizes, tuple(by))
 
 
 def main():
@@ -165,7 +165,7 @@ def main():
     groups = [k[4:-2] for k in z.files if k.startswith("cal-") and k.endswith("_f")]
     for vname, (d, prev) in variants.items():
         tables = {g: table_of(d, *S(f"cal-{g}"), prev) for g in groups}
-        picks = {g: calibrate.pick_threshold(t, TARGET, 0.1) for g, t in tables.items()}
+        picks = {g: exit_threshold.pick_threshold(t, TARGET, 0.1) for g, t in tables.items()}
         thr = max(picks.values())
         r = {"picks": picks, "threshold": thr, "eval": {}}
         for w in ("instructions", "humaneval", "chat"):

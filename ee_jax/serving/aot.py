@@ -1,0 +1,483 @@
+"""Every step program the engine would run on a machine this one need not be: compiled ahead
+of time for a TPU topology (libtpu, on any host, as MaxText does), or lowered for CUDA
+(`jax.export`), from abstract weights (`jax.ShapeDtypeStruct`: an 8B model is never
+materialised).
+
+    target = parse_target("tpu:v5e:2x2")                # or "tpu:v6e", "cuda:h100", "cpu"
+    plan = Plan.make(cfg, target, EngineConfig(mesh="tp=4"), exit_config)
+    for row in plan.compile():                          # one Row per step program
+        print(row.variant, row.shape, row.seconds, row.temp_bytes)
+
+The programs are the engine's own: `ModelRunner.lower` on a runner holding abstract params,
+heads and cache placed on the target's devices, for every `StepShape` the scheduler can produce
+(`SchedulerConfig.step_shapes`, what `LLMEngine.precompile` compiles). Compiling for TPU needs
+the `tpu-aot` extra (`requirements-tpu-aot.txt`: libtpu matching the pinned JAX); lowering for
+CUDA needs nothing more. What only a device checks: for CUDA, PTX generation and the Triton
+kernel's shared-memory limits (XLA compiles the exported module on the GPU); for TPU, run-time
+behaviour (the compile itself is the device's own compiler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from ee_jax.errors import EEJaxError
+from ee_jax.models import exit_checkpoint, exit_heads, gguf, llama, registry
+from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.serving import attention_kernels
+from ee_jax.serving.engine import EngineConfig, num_pages_for
+from ee_jax.serving.kv_cache import KVCache, bytes_per_page, cache_shape, storage_dtype
+from ee_jax.serving.model_runner import ModelRunner, StepShape
+from ee_jax.serving.sharding import MeshSpec, cache_sharding
+
+
+class TargetError(EEJaxError, ValueError):
+    """A target, topology or model shape this module does not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Published per-chip figures (dense bf16 peak, HBM size and bandwidth) and where from."""
+
+    name: str
+    platform: str  # "tpu", "cuda" or "cpu"
+    hbm_bytes: int
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+    source: str
+
+
+GB = 10**9
+CHIPS: dict[str, Chip] = {
+    "v5e": Chip("TPU v5e", "tpu", 16 * 2**30, 197e12, 819 * GB,
+                "cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 16 GiB HBM2, 819 GB/s)"),
+    "v6e": Chip("TPU v6e", "tpu", 32 * 2**30, 918e12, 1640 * GB,
+                "cloud.google.com/tpu/docs/v6e (918 TFLOP/s bf16, 32 GiB HBM, 1640 GB/s)"),
+    "h100": Chip("H100 SXM", "cuda", 80 * GB, 989e12, 3350 * GB,
+                 "nvidia.com H100 datasheet (989 TFLOP/s dense bf16, 80 GB HBM3, 3.35 TB/s)"),
+    "h200": Chip("H200 SXM", "cuda", 141 * GB, 989e12, 4800 * GB,
+                 "nvidia.com H200 datasheet (989 TFLOP/s dense bf16, 141 GB HBM3e, 4.8 TB/s)"),
+}
+# The libtpu device kind of each TPU generation (what get_topology_desc's devices report).
+_TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
+KNOWN_TARGETS = ("tpu:v5e", "tpu:v5e:2x2", "tpu:v6e", "tpu:v6e:2x2", "tpu:<gen>:<X>x<Y>",
+                 "cuda", "cuda:h100", "cuda:h200", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the programs are for: `platform` ("tpu", "cuda", "cpu"), the chip (its peaks,
+    for the roofline and the memory verdict), and for TPU the slice ("2x2"; "1x1": one chip,
+    what Colab gives)."""
+
+    platform: str
+    chip: Chip | None
+    grid: tuple[int, int] = (1, 1)
+
+    @property
+    def name(self) -> str:
+        if self.platform == "cpu":
+            return "cpu"
+        key = next(k for k, c in CHIPS.items() if c == self.chip)
+        if self.platform == "cuda":
+            return f"cuda:{key}"
+        return f"tpu:{key}" + ("" if self.grid == (1, 1) else f":{self.grid[0]}x{self.grid[1]}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def compiles(self) -> bool:
+        """True: programs are compiled (memory and cost analysis); False: lowered only."""
+        return self.platform in ("tpu", "cpu")
+
+
+def parse_target(text: str) -> Target:
+    """"tpu:v5e" (one chip), "tpu:v5e:2x2", "tpu:v6e[:XxY]", "cuda[:h100|h200]", "cpu"."""
+    parts = str(text).strip().lower().split(":")
+    if parts == ["cpu"]:
+        return Target("cpu", None)
+    if parts[0] == "cuda" and len(parts) <= 2:
+        chip = parts[1] if len(parts) == 2 else "h100"
+        if CHIPS.get(chip) is not None and CHIPS[chip].platform == "cuda":
+            return Target("cuda", CHIPS[chip])
+    if parts[0] == "tpu" and len(parts) in (2, 3) and parts[1] in _TPU_KINDS:
+        grid = (1, 1)
+        if len(parts) == 3:
+            m = re.fullmatch(r"(\d+)x(\d+)", parts[2])
+            grid = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        if min(grid) >= 1:
+            return Target("tpu", CHIPS[parts[1]], grid)
+    raise TargetError(f"unknown target {text!r}: known targets are {', '.join(KNOWN_TARGETS)} "
+                      f"(TPU generations: {', '.join(_TPU_KINDS)})")
+
+
+def quiet_libtpu() -> None:
+    """On a host with no TPU chip, tell libtpu it is one host with no workers to find:
+    otherwise its start-up prints warnings that it could not determine the accelerator type,
+    host bounds and worker hostnames (harmless: there is no TPU to run on, only to compile
+    for), and it would hold /tmp/libtpu_lockfile so that a second process (another test run,
+    a compile beside a server) failed to load it: with no chip there is nothing to guard. A
+    TPU VM's own settings are left alone."""
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+@functools.cache
+def target_devices(target: Target) -> tuple:
+    """The devices programs for `target` are compiled against: the TPU topology's (from
+    libtpu, no TPU needed), this host's CPU, or () for CUDA (exported, not compiled)."""
+    if target.platform == "cpu":
+        return tuple(jax.devices("cpu"))
+    if target.platform == "cuda":
+        return ()
+    quiet_libtpu()
+    from jax.experimental import topologies
+
+    gen = next(k for k, c in CHIPS.items() if c == target.chip)
+    x, y = target.grid
+    try:
+        # One host holds at most 2x2 chips; a smaller slice is one host of that size.
+        host = (min(x, 2), min(y, 2), 1)
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{x}x{y}",
+                                            chips_per_host_bounds=host)
+    except Exception as e:  # libtpu missing, or the topology refused
+        raise TargetError(
+            f"cannot describe TPU topology {gen}:{x}x{y} ({' '.join(str(e).split())[:300]}); "
+            f"compiling for TPU needs libtpu matching JAX {jax.__version__}: pip install "
+            f"-r requirements-tpu-aot.txt") from e
+    return tuple(topo.devices)
+
+
+# --------------------------------------------------------------------------- model shapes
+
+# Llama-shaped models by name, for planning without weights (`random:<name>`). Public
+# configs (the models' config.json on the Hugging Face Hub).
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+                                n_kv_heads=3, head_dim=64, ffn_dim=1536, rope_theta=100000.0,
+                                tie_embeddings=True, name="smollm2-135m"),
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                                n_kv_heads=8, head_dim=64, ffn_dim=8192, rope_theta=500000.0,
+                                tie_embeddings=True, max_position=131072,
+                                name="llama-3.2-1b"),
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                                rope_theta=500000.0, max_position=131072, name="llama-3.1-8b"),
+}
+
+
+def shape_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
+    """The ModelConfig of a named shape ("llama-3.1-8b", or "random:llama-3.1-8b")."""
+    key = name.removeprefix("random:")
+    if key not in MODEL_SHAPES:
+        raise TargetError(f"unknown model shape {name!r}: known shapes are "
+                          f"{', '.join('random:' + k for k in MODEL_SHAPES)}")
+    return dataclasses.replace(MODEL_SHAPES[key], dtype=dtype)
+
+
+def scaled_exit_config(ec: ExitConfig, n_layers: int, from_layers: int
+                       ) -> ExitConfig:
+    """`ec`'s exits moved to a model of `n_layers` at the same fractions of depth (planning
+    a model with no heads of its own the way the shipped ones are laid out)."""
+    layers = sorted({max(1, min(n_layers - 1, round(e * n_layers / from_layers)))
+                     for e in ec.exit_layers})
+    return dataclasses.replace(ec, exit_layers=tuple(layers))
+
+
+def shipped_exit_config(name: str = "smollm2-135m-instruct") -> ExitConfig | None:
+    """The exit config of the heads shipped for registry model `name` (no heads loaded)."""
+    path = registry.shipped_exit_heads(name)
+    if path is None:
+        return None
+    d = json.loads((path / exit_checkpoint.CONFIG).read_text())["exit_config"]
+    return ExitConfig(**{**d, "exit_layers": tuple(d["exit_layers"])})
+
+
+def plan_model(name: str, dtype: str = "bfloat16") -> tuple[ModelConfig, ExitConfig | None]:
+    """(config, exit config) to plan for, without weights: "random:<shape>" (a named shape,
+    with the shipped SmolLM2 heads' exits at the same fractions of depth), a registry name or
+    a .gguf file (its header; the registry's shipped exit config where it has one)."""
+    if name.startswith("random:") or name in MODEL_SHAPES:
+        cfg = shape_config(name, dtype)
+        base = MODEL_SHAPES["smollm2-135m"]
+        ec = shipped_exit_config()
+        return cfg, None if ec is None else scaled_exit_config(ec, cfg.n_layers, base.n_layers)
+    try:
+        kind, path = registry.resolve_model(name)
+    except Exception as e:  # not found: say what would be
+        raise TargetError(f"cannot plan for model {name!r} ({e}); use a registry name "
+                          f"({', '.join(registry.known_models())}), a .gguf file, or a shape: "
+                          f"{', '.join('random:' + k for k in MODEL_SHAPES)}") from e
+    if kind != "gguf":
+        raise TargetError(f"planning reads a model's shape from a .gguf header; {name!r} is "
+                          f"{kind}: use random:<shape> ({', '.join(MODEL_SHAPES)})")
+    cfg = gguf.gguf_config(path, dtype)
+    return cfg, shipped_exit_config(name)
+
+
+def abstract_params(cfg: ModelConfig) -> llama.Params:
+    """The model's parameters as shapes and dtypes only."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype),
+                        llama.param_shapes(cfg))
+
+
+# --------------------------------------------------------------------------- programs
+
+# The step variants a config can run: prefill and full-depth decode, then the exit policies
+# with each back-fill mode ("all" stands for BatchExit, "per_row" for PerRow).
+POLICIES = ("all", "per_row")
+BACKFILLS = ("deferred", "propagate")
+
+
+def variants(ec: ExitConfig | None, every: bool = False
+             ) -> list[tuple[str, ExitConfig | None]]:
+    """(name, exit config) of the programs to build: full depth, and `ec` as given — or with
+    `every`, `ec` under each policy and back-fill mode."""
+    out: list[tuple[str, ExitConfig | None]] = [("full", None)]
+    if ec is None or not ec.enabled:
+        return out
+    if not every:
+        return [*out, (f"{ec.policy}/{ec.backfill}", ec)]
+    return out + [(f"{p}/{b}", dataclasses.replace(ec, policy=p, backfill=b))
+                  for p in POLICIES for b in BACKFILLS]
+
+
+@dataclasses.dataclass
+class Row:
+    """One compiled (or lowered) program: what it is, how long it took, what it needs."""
+
+    variant: str  # "full", "all/deferred", ...
+    shape: StepShape
+    seconds: float
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    argument_bytes: int | None = None  # weights, heads, KV pool, inputs
+    temp_bytes: int | None = None
+    output_bytes: int | None = None
+    alias_bytes: int | None = None  # outputs in donated inputs (the KV pool)
+    error: str | None = None
+
+    @property
+    def device_bytes(self) -> int | None:
+        """Device memory the program needs: arguments + temporaries + outputs not aliased."""
+        if self.argument_bytes is None:
+            return None
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def cost_of(compiled) -> tuple[float | None, float | None]:
+    """(flops, bytes accessed) from a compiled program's cost analysis."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, list):  # older JAX: one dict per partition
+        ca = ca[0] if ca else None
+    if not ca:
+        return None, None
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+
+
+@dataclasses.dataclass
+class Plan:
+    """The engine's step programs for one model, config and target."""
+
+    cfg: ModelConfig
+    target: Target
+    shapes: list[StepShape]
+    programs: list[tuple[str, ExitConfig | None]]
+    num_pages: int
+    page_size: int
+    attention: str
+    mesh_spec: MeshSpec
+    max_batch: int
+
+    @classmethod
+    def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
+             exit_config: ExitConfig | None = None, *,
+             every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill"),
+             attention: str | None = None) -> Plan:
+        """attention: the backend (default: what "auto" picks on
+        the target: pallas_tpu / pallas_gpu / xla; "reference" under a mesh of several
+        devices, as the engine does)."""
+        spec = MeshSpec.parse(config.mesh)
+        if target.platform != "cpu" and spec.size > target.num_devices:
+            raise TargetError(f"mesh {config.mesh} needs {spec.size} devices but target "
+                              f"{target.name} has {target.num_devices}")
+        if spec.size > 1:
+            spec.validate_for(cfg)
+        sched = config.scheduler_config()
+        name = attention or config.attention
+        if name == "auto":
+            name = "reference" if spec.size > 1 else \
+                {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(target.platform, "xla")
+        kv_dtype = config.kv_dtype or cfg.dtype
+        platform = "gpu" if target.platform == "cuda" else target.platform
+        pages = num_pages_for(cfg, config, bytes_per_page(cfg, config.page_size, kv_dtype,
+                                                          platform))
+        return cls(cfg, target, sched.step_shapes(kinds), variants(exit_config, every_policy),
+                   pages, config.page_size, name, spec, max(config.batch_buckets))
+
+    @property
+    def mesh(self) -> Mesh | None:
+        if self.mesh_spec.size <= 1 or self.target.platform == "cuda":
+            return None
+        return self.mesh_spec.make_mesh(target_devices(self.target))
+
+    def runner(self, ec: ExitConfig | None) -> ModelRunner:
+        """The engine's ModelRunner on abstract params, heads and cache, on the target."""
+        cfg, mesh = self.cfg, self.mesh
+        params = abstract_params(cfg)
+        heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
+        platform = "gpu" if self.target.platform == "cuda" else self.target.platform
+        kv = storage_dtype(cfg.dtype, platform)
+        shape = cache_shape(cfg, self.num_pages, self.page_size)
+        cache = KVCache(jax.ShapeDtypeStruct(shape, kv), jax.ShapeDtypeStruct(shape, kv))
+        if mesh is not None:
+            cs = cache_sharding(cfg, mesh)  # one sharding, k and v alike
+            cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cs),
+                                 cache)
+        devices = target_devices(self.target)
+        return ModelRunner(cfg, params, cache, ec, heads, attention=self.attention,
+                           max_batch=self.max_batch, mesh=mesh,
+                           device=devices[0] if devices else jax.devices("cpu")[0])
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def items(self) -> list[tuple[str, ExitConfig | None, StepShape]]:
+        """(variant, exit config, shape) of every program: prefill only at full depth."""
+        out = []
+        for name, ec in self.programs:
+            out += [(name, ec, s) for s in self.shapes
+                    if s.kind == "decode" or ec is None]
+        return out
+
+    def compile(self) -> Iterator[Row]:
+        """Compile (TPU, CPU) or export (CUDA) every program, one Row each; a program that
+        fails gives a Row with its error (the rest still run)."""
+        runners: dict[str, ModelRunner] = {}
+        for name, ec, shape in self.items():
+            if name not in runners:
+                runners[name] = self.runner(ec)
+            yield build(runners[name], shape, self.target, name)
+
+
+def build(runner: ModelRunner, shape: StepShape, target: Target, variant: str = "") -> Row:
+    """One step program of `runner` for `target`: compiled, or exported for CUDA."""
+    t0 = time.perf_counter()
+    try:
+        with attention_kernels.target_platform(target.platform):
+            if target.compiles:
+                compiled = runner.lower(shape).compile()
+            else:
+                export_cuda(runner, shape)
+                compiled = None
+    except Exception as e:  # reported per program, with its message
+        return Row(variant, shape, time.perf_counter() - t0,
+                   error=f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
+    row = Row(variant, shape, time.perf_counter() - t0)
+    if compiled is not None:
+        row.flops, row.bytes_accessed = cost_of(compiled)
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            row.argument_bytes = int(mem.argument_size_in_bytes)
+            row.temp_bytes = int(mem.temp_size_in_bytes)
+            row.output_bytes = int(mem.output_size_in_bytes)
+            row.alias_bytes = int(mem.alias_size_in_bytes)
+    return row
+
+
+# The Pallas GPU kernels lower to this custom call; jax.export refuses custom calls it does
+# not know to be stable unless told (the kernel is compiled from its Triton IR on the GPU).
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def export_cuda(runner: ModelRunner, shape: StepShape):
+    """The step of `shape` exported for CUDA (`jax.export.Exported`): traced and lowered with
+    CUDA's lowering rules (the Pallas GPU kernel included), not compiled."""
+    from jax import export
+
+    buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+    args = [runner.params, runner.exit_heads, runner.cache, buf, runner.last_tokens,
+            runner.pending]
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    with attention_kernels.target_platform("cuda"):
+        return export.export(
+            runner._step, platforms=("cuda",),
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
+                shape, *args)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Device memory per chip of a config: weights, KV pool, the largest program's
+    temporaries, against the chip's HBM."""
+
+    weights: int
+    kv_pool: int
+    temporaries: int
+    hbm: int
+    devices: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_pool + self.temporaries
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.hbm
+
+    def verdict(self) -> str:
+        gib = 2**30
+        what = (f"{self.total / gib:.2f} GiB per chip (weights {self.weights / gib:.2f}, KV "
+                f"pool {self.kv_pool / gib:.2f}, temporaries {self.temporaries / gib:.2f}) of "
+                f"{self.hbm / gib:.0f} GiB HBM")
+        if self.fits:
+            return f"fits: {what}"
+        return (f"DOES NOT FIT: {what}; shard over more chips (--mesh tp=N on a larger slice), "
+                f"lower --max-num-seqs / --max-model-len / --num-pages, or quantize")
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(tree)))
+
+
+def memory(plan: Plan, rows: list[Row]) -> Memory | None:
+    """Memory per chip: weights and KV pool split over the mesh's tp (KV heads where tp
+    divides them), temporaries from the compiled programs (None when none compiled)."""
+    if plan.target.chip is None:
+        return None
+    cfg, tp = plan.cfg, plan.mesh_spec.tp
+    weights = tree_bytes(abstract_params(cfg)) // tp
+    kv_tp = tp if cfg.n_kv_heads % tp == 0 else 1
+    kv = 2 * int(np.prod(cache_shape(cfg, plan.num_pages, plan.page_size))) * \
+        storage_dtype(cfg.dtype, plan.target.platform).itemsize // kv_tp
+    temps = [r.temp_bytes for r in rows if r.temp_bytes is not None]
+    return Memory(weights, kv, max(temps, default=0), plan.target.chip.hbm_bytes,
+                  plan.mesh_spec.size)
+
+
+__all__ = ["CHIPS", "KNOWN_TARGETS", "MODEL_SHAPES", "Chip", "Memory", "Plan", "Row",
+           "Target", "TargetError", "abstract_params", "build", "export_cuda", "memory",
+           "parse_target", "plan_model", "quiet_libtpu", "scaled_exit_config", "shape_config",
+           "target_devices", "variants"]
