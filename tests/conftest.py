@@ -24,10 +24,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # alone passed): not root-caused, see the session note. Subprocesses inherit the setting.
 os.environ.setdefault("EE_JAX_COMPILATION_CACHE", "")
 
+import gc
+
+import jax
 import pytest
 from hypothesis import settings
 
 from ee_jax.models import registry
+from ee_jax.serving.model_runner import step_program
 
 # Every run draws the same examples (derandomised: a fresh clone, CI and a developer see the
 # same suite); HYPOTHESIS_PROFILE=explore draws new ones, to look for bugs on purpose. A
@@ -37,6 +41,39 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REAL_MODEL_FIXTURES = {"smollm2_gguf", "smollm2", "smollm2_hf"}
+
+
+_PEAK_MAPS = [0]
+
+
+def _memory_maps() -> int:
+    """Memory regions this process maps (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"peak memory maps at a module's end: {_PEAK_MAPS[0]} "
+                                "(vm.max_map_count is 65,530 by default)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drop every compiled program when a test module ends. Why: XLA CPU maps ~285 memory
+    regions per compiled step program (a tiny engine's, measured with /proc/self/maps) and
+    keeps them while the program lives; Linux allows 65,530 per process (vm.max_map_count),
+    so a suite that keeps ~230 programs alive dies inside an XLA compile (the "Fatal Python
+    error: Aborted / Segmentation fault" the long suite process met in test_sharding, and in
+    test_families once step programs were shared across runners). A module's own programs
+    stay alive while it runs (its trace counts hold)."""
+    yield
+    _PEAK_MAPS[0] = max(_PEAK_MAPS[0], _memory_maps())
+    step_program.cache_clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
