@@ -179,7 +179,15 @@ def main(argv=None) -> int:
             rows = {}
             for B in args.batches:
                 t0 = time.perf_counter()
-                p, first, step = pieces(cfg, ec, B, W, target)
+                try:
+                    p, first, step = pieces(cfg, ec, B, W, target)
+                except Exception as e:  # e.g. the model does not fit one chip's HBM
+                    msg = " ".join(str(e).split())[:160]
+                    print(f"{model} {target.name} B={B}: FAILED {msg}", file=sys.stderr,
+                          flush=True)
+                    checks_lines.append(f"| {model} | {target.name} | {B} | failed: {msg} "
+                                        f"| | | | | | |")
+                    continue
                 rows[B] = (p, first, step)
                 comp = p.full_depth(L)
                 an = L * analytic_layer_bytes(cfg, B, W)
@@ -195,7 +203,8 @@ def main(argv=None) -> int:
                       f"{comp.bytes / 1e6:.1f} MB vs compiled {step.bytes / 1e6:.1f} MB",
                       file=sys.stderr, flush=True)
             for chip in chips:
-                tables.append(_table(model, target, chip, cfg, ec, checked, rows, W))
+                if rows:
+                    tables.append(_table(model, target, chip, cfg, ec, checked, rows, W))
     lines.append("### Predicted decode step (roofline) and early-exit speed-up\n")
     lines.append("Speed-up = full-depth step / early-exit step, both predicted. Forced: every "
                  "row leaves at that layer (a check at each exit layer up to it). Shipped "

@@ -356,8 +356,7 @@ def _compile(args) -> int:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           page_size=args.page_size, num_pages=args.num_pages,
-                          mesh=args.mesh, attention=args.attention,
-                          compilation_cache_dir=None)
+                          mesh=args.mesh, attention=args.attention)
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
     verb = "compiling" if target.compiles else "lowering"

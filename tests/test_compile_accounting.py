@@ -3,13 +3,14 @@ time and of the time to first token, and counted (issue #22 item 6).
 
 The truth is the test's own: it times every `engine.step()` call (blocking steps, so a call is
 one step) and counts the compiles JAX reports during it through its own `jax.monitoring`
-listener, which also makes every compile of a step program take SLOW seconds longer, so that a
-compile counted as decoding could not hide in the noise of a shared CPU.
+listener, which also makes every compile inside `LLMEngine.step` take SLOW seconds longer, so
+that a compile counted as decoding could not hide in the noise of a shared CPU.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -20,22 +21,31 @@ from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.testing import tiny_model
 
-SLOW = 1.0  # seconds every compile of an engine step program is made to take longer
+SLOW = 1.0  # seconds every compile inside an engine step is made to take longer
 COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture
-def slow_compiles():
-    """Each compile of a step program sleeps SLOW seconds; yields the names of every program
-    compiled (step programs or not)."""
+def slow_compiles(monkeypatch):
+    """Each compile inside `LLMEngine.step` sleeps SLOW seconds; yields the names of every
+    program compiled inside a step."""
     seen: list[str] = []
+    in_step = threading.local()
+    step = LLMEngine.step
+
+    def timed_step(self):
+        in_step.on = True
+        try:
+            return step(self)
+        finally:
+            in_step.on = False
 
     def on_event(event: str, duration: float, fun_name: str = "", **_kw) -> None:
-        if event == COMPILE:
+        if event == COMPILE and getattr(in_step, "on", False):
             seen.append(fun_name)
-            if "_step_impl" in fun_name:
-                time.sleep(SLOW)
+            time.sleep(SLOW)
 
+    monkeypatch.setattr(LLMEngine, "step", timed_step)
     monitoring.register_event_duration_secs_listener(on_event)
     yield seen
     monitoring.unregister_event_duration_listener(on_event)

@@ -36,7 +36,7 @@ CFG = random_config(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_di
 EC = ExitConfig(exit_layers=(1, 2), head="mlp", measure="candidates", adapter_rank=8,
                       vocab_subset=64, threshold=0.9, policy="per_row")
 CONFIG = EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=64,
-                      max_prefill_chunk=32, compilation_cache_dir=None)
+                      max_prefill_chunk=32)
 
 
 def _plan(target: str, attention: str | None = None) -> aot.Plan:
@@ -202,8 +202,26 @@ def test_cpu_path_imports_nothing_tpu_or_cuda_specific():
         "from ee_jax.random_model import random_model\n"
         "import ee_jax.cli\n"
         "ee_jax.cli.build_parser()\n"
-        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32,\n"
-        "          compilation_cache_dir=None)\n"
+        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32)\n"
         "llm.generate(['hi'], SamplingParams(max_tokens=2))\n")
     assert sorted(ours - jax_own) == []
     assert "TPU_WORKER_HOSTNAMES" not in stderr and "host bounds" not in stderr, stderr
+
+
+def test_roofline_composition():
+    """Hand-counted steps: propagate pays the layers run plus K/V projections of the rest;
+    deferred pays every layer (the pending token runs the skipped ones next step)."""
+    from ee_jax.serving.roofline import Cost, Pieces, seconds
+
+    p = Pieces(fixed=Cost(10.0, 100.0), layer=Cost(2.0, 50.0), check=Cost(1.0, 5.0),
+               fill=Cost(0.5, 3.0))
+    assert p.full_depth(4) == Cost(18.0, 300.0)
+    assert p.exit_at(1, 4, 1, "propagate") == Cost(10 + 2 + 1 + 3 * 0.5, 100 + 50 + 5 + 9)
+    assert p.exit_at(1, 4, 1, "deferred") == Cost(18 + 1 + 0.5, 300 + 5 + 3)
+    mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "propagate")
+    want = 0.25 * p.exit_at(1, 4, 1, "propagate") + 0.75 * p.exit_at(4, 4, 2, "propagate")
+    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
+    assert seconds(Cost(2e12, 1e9), 1e12, 1e12) == 2.0  # compute-bound
+    assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound
+    with pytest.raises(ValueError, match="back-fill"):
+        p.exit_at(1, 4, 1, "learned")
