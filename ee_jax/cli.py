@@ -107,8 +107,9 @@ def _generate(args) -> int:
     if ec is not None:
         cfg = llm.model.config
         print(format_exit_summary(exit_summary(s, cfg, ec), cfg, ec), file=sys.stderr)
-        print(f"exit program per batch size: {llm.engine.controller.summary()}",
-              file=sys.stderr)
+        if llm.engine.controller is not None:  # None: exits disabled (policy "never")
+            print(f"exit program per batch size: {llm.engine.controller.summary()}",
+                  file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
