@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 MODEL  ?= smollm2-135m-instruct
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint clean
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
 	$(PY) -m pytest -q tests --ignore=tests/test_sharding.py
 	$(PY) -m pytest -q tests/test_sharding.py
+
+# The inner loop: tiny models only (no real SmolLM2, nothing marked slow), stop at the first
+# failure.
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -x -m "not real_model and not slow" tests
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench

@@ -1,5 +1,7 @@
-"""What every benchmark shares: one drive loop, prompt loaders, models, the transformers
-baseline, the machine's state and the report helpers.
+"""The bench harness: what every benchmark shares. The machine (`machine`, `cpu_model`: the
+`lscpu` model name), models, prompts, one drive loop (`serve`), one step timer
+(`step_case` / `time_steps`), one agreement with full depth (`agreement`, teacher-forced), the
+transformers baseline, and one doc writer (`write_marked`, `report_header`).
 
 Conventions (docs/architecture.md section 7, issue 13 part 6):
 
@@ -165,6 +167,12 @@ def write_marked(path: Path, section: str, mark: tuple[str, str]) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def report_header(command: str) -> str:
+    """The line every table in docs/benchmarks.md starts with: command, date, machine."""
+    return (f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{machine()})")
 
 
 def median(xs: Sequence[float]) -> float:
@@ -336,28 +344,24 @@ def load_prompts(kind: str, tokenizer, n: int, lo: int = 0, hi: int = 10**9,
 
 def head_layers(cfg) -> float:
     """The LM head (vocab x d_model) in layer-equivalents: about 8 for SmolLM2-135M."""
-    from ee_jax.models.exits import layer_macs
+    from ee_jax.models.exit_cost import layer_macs
 
     return cfg.vocab_size * cfg.d_model / layer_macs(cfg)
 
 
 def ideal_speedup(stats, cfg, exit_config=None) -> float:
     """(L + head) / (mean layers + exit head + checks) per decoded row, in layer-equivalents:
-    the engine's own cost model (`EngineStats.ideal_speedup_with_head`, `exits.cost_model`),
+    the engine's own cost model (`EngineStats.ideal_speedup_with_head`, `exit_cost.cost_model`),
     one implementation for the engine, the CLI and the benchmarks. Full depth: 1."""
     return stats.ideal_speedup_with_head(cfg, exit_config)
 
 
 def exit_summary(stats, cfg, exit_config=None) -> dict:
-    """The exit figures every speed figure comes with: row and step histograms, mean layers
-    per row, the layer-only ideal L / mean and the ideal with the head counted."""
-    L = cfg.n_layers
-    mean = stats.mean_layers_per_row or float(L)
-    return dict(row_hist=stats.row_exit_histogram() or f"{L}:0",
-                step_hist=stats.exit_histogram(), mean_layers=mean,
-                ideal_layers=L / mean if mean else 1.0,
-                ideal=ideal_speedup(stats, cfg, exit_config), head_layers=head_layers(cfg),
-                checks_per_step=stats.vocab_checks_per_decode_step)
+    """The exit figures every speed figure comes with (`ee_jax.serving.stats.exit_summary`,
+    the one summary the CLI and the server use too)."""
+    from ee_jax.serving.stats import exit_summary as summary
+
+    return summary(stats, cfg, exit_config)
 
 
 # --------------------------------------------------------------------------- the drive loop
@@ -674,9 +678,10 @@ def hf_runner(hf_model, model) -> HFRunner:
     return HFRunner(hf_model, pad_id=ids[0] if ids else 0, eos_ids=ids)
 
 
-def agreement(ours: list[list[int]], theirs: list[list[int]], stops: set[int]):
-    """(sequences identical up to ee-jax's first stop token, mean common-prefix fraction,
-    sequences where ee-jax emitted a stop token)."""
+def sequence_agreement(ours: list[list[int]], theirs: list[list[int]], stops: set[int]):
+    """Free-running ee-jax against another implementation (transformers): (sequences
+    identical up to ee-jax's first stop token, mean common-prefix fraction, sequences where
+    ee-jax emitted a stop token)."""
     same, frac, stopped = 0, [], 0
     for a, b in zip(ours, theirs, strict=True):
         n = len(a)
@@ -690,3 +695,119 @@ def agreement(ours: list[list[int]], theirs: list[list[int]], stops: set[int]):
         same += k == n
         frac.append(k / n if n else 1.0)
     return same, float(np.mean(frac)), stopped
+
+
+# --------------------------------------------------------------------------- full depth vs exits
+
+
+def make_llm(model, ec, heads, batch: int, max_len: int, **engine):
+    """An LLM of `batch` rows; ec None: the full-depth baseline (`early_exit=False`);
+    `engine`: more EngineConfig fields (e.g. exit_control)."""
+    from ee_jax.serving.llm import LLM
+
+    return LLM(model, exit_config=ec, exit_heads=heads, early_exit=ec is not None,
+               progress=False, max_num_seqs=batch, max_model_len=max_len, page_size=16,
+               max_num_batched_tokens=8192, max_prefill_chunk=512, **engine)
+
+
+def forced_params(refs: list[list[int]], thresholds=None):
+    """Greedy params that force each reference sequence (teacher forcing): the engine's own
+    predictions at each position are then comparable with full depth's."""
+    from ee_jax.serving.params import greedy
+
+    thresholds = thresholds or [None] * len(refs)
+    return [greedy(len(r), ignore_eos=True, forced_tokens=tuple(r), exit_threshold=t)
+            for r, t in zip(refs, thresholds, strict=True)]
+
+
+def agreement(outs, refs: list[list[int]]) -> float:
+    """Teacher-forced agreement with full depth: the share of positions (after the first)
+    where the engine's own prediction equals the full-depth reference token."""
+    hits = [p == f for o, r in zip(outs, refs, strict=True)
+            for p, f in zip(o.predicted_token_ids[1:], r[1:], strict=True)]
+    return float(np.mean(hits)) if hits else 1.0
+
+
+# --------------------------------------------------------------------------- one step timer
+
+
+@dataclasses.dataclass
+class StepCase:
+    """One decode step, ready to run again and again: a ModelRunner (its cache donated step
+    to step, every argument committed, as served) and a StepBatch of B rows at `context`
+    keys each, in distinct pages."""
+
+    runner: Any
+    batch: Any
+
+
+def step_case(cfg, params, batch: int, context: int, exit_config=None, heads=None,
+              attention: str = "auto", threshold: float = 0.5) -> StepCase:
+    from ee_jax.serving.kv_cache import allocate_cache
+    from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape
+
+    page = 16
+    pages = -(-(context + 1) // page)
+    runner = ModelRunner(cfg, params, allocate_cache(cfg, batch * pages + 1, page),
+                         exit_config, heads, attention=attention, max_batch=batch)
+    b = StepBatch.empty(StepShape(batch, 1, pages))
+    for r in range(batch):
+        b.page_table[r] = 1 + r * pages + np.arange(pages)
+    b.tokens[:, 0] = np.random.default_rng(batch).integers(3, min(cfg.vocab_size, 1000), batch)
+    b.positions[:] = context
+    b.kv_lens[:] = context + 1
+    b.threshold[:] = threshold
+    return StepCase(runner, b)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One variant's figures: seconds per step per round (wall, process CPU), the first
+    call's seconds (compile), and rows per exit layer over the timed steps."""
+
+    wall: list[float]
+    cpu: list[float]
+    compile_s: float
+    exit_layers: dict[int, int]
+
+    def ratio_to(self, base: StepTimes) -> tuple[float, float, float]:
+        """(first quartile, median, third quartile) over rounds of base / this: neighbours
+        in time share the machine's load."""
+        r = sorted(b / x for b, x in zip(base.wall, self.wall, strict=True))
+        return r[len(r) // 4], statistics.median(r), r[3 * len(r) // 4]
+
+
+def time_steps(cases: dict[str, StepCase], rounds: int, steps: int = 3,
+               seed: int = 0) -> dict[str, StepTimes]:
+    """The one step timer: each case's first call timed apart (it compiles), one more call
+    (warm), then `rounds` rounds running every case `steps` times, in a random order each
+    round. Compile time never enters a per-step figure."""
+    import random
+
+    from ee_jax.serving.model_runner import unpack_results
+
+    compile_s = {}
+    for name, c in cases.items():
+        t = time.perf_counter()
+        np.asarray(c.runner.step(c.batch))
+        compile_s[name] = time.perf_counter() - t
+        np.asarray(c.runner.step(c.batch))
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    hist: dict[str, dict[int, int]] = {k: {} for k in cases}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(cases)
+        rng.shuffle(order)
+        for name in order:
+            c = cases[name]
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs = [c.runner.step(c.batch) for _ in range(steps)]
+            res = [np.asarray(o) for o in outs]  # waits for the device
+            wall[name].append((time.perf_counter() - t0) / steps)
+            cpu[name].append((time.process_time() - c0) / steps)
+            for r in res:
+                for e in unpack_results(r)[2][:, 0].tolist():
+                    hist[name][e] = hist[name].get(e, 0) + 1
+    return {k: StepTimes(wall[k], cpu[k], compile_s[k], dict(sorted(hist[k].items())))
+            for k in cases}

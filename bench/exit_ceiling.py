@@ -1,8 +1,10 @@
-"""How fast can these exit heads be, at best? The ideal speed-up (issue #12's honest accounting:
-head, checks and completion counted, `exits.cost_model`) of the oracle exit and of the heads'
-own decision at TF error budgets, on the held-apart calibration split, teacher-forced.
+"""How fast can these exit heads be, at best? The honest ideal speed-up per back-fill (issue
+#23: `exit_cost.step_cost` counts what each decode step really runs) of the oracle exit and of
+the heads' own decision at TF error budgets, on the held-apart calibration split,
+teacher-forced.
 
     python -m bench.exit_ceiling --out docs/benchmarks.md
+    python -m bench.exit_ceiling --limit 8      # 8 answers per group: a quick look
 
 Per calibration group (held-out instructions, code completions, everyday chat: the model's own
 full-depth answers, `tune.calibration_rows`), from the dense forward:
@@ -12,17 +14,18 @@ full-depth answers, `tune.calibration_rows`), from the dense forward:
 * decision at a budget: the lowest threshold whose first-confident-exit rule changes at most
   that share of tokens (1 - TF agreement), i.e. the threshold a perfect calibration would pick.
 
-Two ideals per row, from the same exit histogram: memory-bound (a token's skipped layers that
-deferred back-fill runs in its row's next step ride on weights read anyway: completion free;
-also what "propagate" costs, its key/value projections aside) and compute-bound (deferred
-back-fill runs them as whole layers: exits save only the head). Ideal, not measured: the
-measured figures are `bench.shipped_exits`'s.
+Each packed row of answers is replayed token by token as a row of decode steps: batch 1
+(memory-bound, this CPU at batch 1: a weight paid once per step) and batch 8 (8 rows side by
+side, per_row, compute-bound: paid per row). Deferred back-fill's pending token (the row's
+previous one, when it left early) runs its skipped layers in the step, so a memory-bound
+step with one runs every layer; propagate and learned pay the skipped layers' K/V
+projections (learned: plus its maps). Ideal, not measured: the measured figures are
+`bench.shipped_exits`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
@@ -58,6 +61,26 @@ def best_at_budget(conf: np.ndarray, agree: np.ndarray, exit_layers: np.ndarray,
     return best
 
 
+def replay(cm, seqs: list[list[int]], batch: int, backfill: str, kv: float, maps: float
+           ) -> float:
+    """Full depth over early exit when the answers `seqs` (exit layer per token) are decoded
+    `batch` at a time, each a row of steps (memory-bound at batch 1, compute-bound above);
+    a row's pending token is its previous one."""
+    from ee_jax.models import exit_cost
+
+    L, regime = cm.n_layers, "memory" if batch == 1 else "compute"
+    total = full = 0.0
+    for i in range(0, len(seqs), batch):
+        group = seqs[i:i + batch]
+        for t in range(max(map(len, group))):
+            live = [q for q in group if t < len(q)]
+            now = [q[t] for q in live]
+            pend = [q[t - 1] if t else L for q in live]
+            total += exit_cost.step_cost(cm, now, pend, backfill, regime, kv, maps)
+            full += exit_cost.full_step_cost(cm, len(live), regime)
+    return full / total if total else 1.0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.exit_ceiling",
@@ -66,16 +89,22 @@ def main(argv=None) -> int:
     p.add_argument("--exit-heads", type=Path, default=None,
                    help="folder of exit heads (default: the heads shipped for the model)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05])
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per calibration group (default: the preset's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from ee_jax.models import exits
+    from ee_jax.models import exit_cost
     from ee_jax.models.exit_checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
-    from ee_jax.training.tune import TuneConfig, calibration_rows
+    from ee_jax.training.tune import calibration_rows
+    from ee_jax.training.tune_config import TuneConfig
 
-    tc = TuneConfig.from_yaml(args.config)
+    small = ({} if not args.limit else  # generate only the answers that are used
+             dict(calib_instructions=args.limit, calib_code_prompts=args.limit,
+                  calib_everyday=args.limit))
+    tc = TuneConfig.from_yaml(args.config, **small)
     model = load_model(tc.model, dtype="float32", progress=False)
     cfg, params = model.config, model.params
     if args.exit_heads is not None:
@@ -87,8 +116,11 @@ def main(argv=None) -> int:
     if ec.measure != "candidates":
         raise SystemExit(f"measure {ec.measure!r}: this bench reads the candidate decision")
     L, E = cfg.n_layers, np.asarray(ec.exit_layers)
-    costs = {"memory": exits.cost_model(cfg, ec, completion=0.0),
-             "compute": exits.cost_model(cfg, ec, completion=1.0)}  # -bound (deferred)
+    cm = exit_cost.cost_model(cfg, ec, completion=0.0)
+    kv = exit_cost.kv_fraction(cfg)
+    rank = heads["backfill"]["a"].shape[-1] if "backfill" in heads else 48
+    maps = exit_cost.map_fraction(cfg, rank)
+    modes = [(bf, b) for bf in ("deferred", "propagate", "learned") for b in (1, 8)]
     log(f"calibration split of {args.config} (self-generated answers, cached in {tc.work_dir})")
     groups = calibration_rows(tc, model)
     lines = ["### Ceiling of the exit heads (`bench/exit_ceiling.py`)", "",
@@ -99,13 +131,14 @@ def main(argv=None) -> int:
              "model's own full-depth answers; answer tokens only). Ideal speed-ups from the "
              "engine's cost model (head and checks counted), not measured.", "",
              "| group | tokens | exit rule | threshold | TF agreement | mean layers | tokens "
-             "leaving early | ideal, memory-bound | ideal, compute-bound (deferred) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "leaving early | " + " | ".join(f"{bf}, batch {b}" for bf, b in modes) + " |",
+             "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(modes)]
     for g, (rows, scored) in groups.items():
         log(f"{g}: {len(rows)} rows, {int(scored.sum())} scored tokens")
         cache = C.cache_states(cfg, params, rows, ec.exit_layers, 1, progress=True)
         n, T = rows.shape
         keep = scored.reshape(-1)
+        row_of = np.nonzero(keep)[0] // T  # the answer of each scored token, in order
         hs = cache["hs"].transpose(0, 2, 1, 3).reshape(n * T, len(E), -1)[keep]
         feats, agree = C.decision_data(cfg, ec, params, heads, hs, rows.reshape(-1)[keep],
                                        cache["top"][..., 0].reshape(-1)[keep])
@@ -121,16 +154,19 @@ def main(argv=None) -> int:
         wrong = ((slot >= 0) & ~agree[np.maximum(slot, 0), np.arange(agree.shape[1])]).mean()
         found.append(("decision at the heads' threshold", f"{t:.3f}", lay, float(wrong)))
         for name, th, lay, wrong in found:
-            hist = collections.Counter(int(x) for x in lay)
-            ideal = {k: cm.ideal_speedup(hist) for k, cm in costs.items()}
+            seqs = [lay[row_of == r].tolist() for r in range(n)]
+            seqs = [q for q in seqs if q]
+            ideal = [replay(cm, seqs, b, bf, kv, maps) for bf, b in modes]
             lines.append(f"| {g} | {len(lay)} | {name} | {th} | {1 - wrong:.3f} | "
                          f"{lay.mean():.2f} | {np.mean(lay < L):.0%} | "
-                         f"{ideal['memory']:.2f}x | {ideal['compute']:.2f}x |")
+                         + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
-    lines += ["", "Memory-bound: the completion of a deferred token is free (it rides on "
-              "weights its row's next token reads anyway; propagate's cost, its key/value "
-              "projections aside). Compute-bound, deferred: the completion runs as whole "
-              "layers, so an exit saves only the head."]
+    lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
+              "by side, per_row, compute-bound (per row). Deferred: a step whose row has a "
+              "pending token runs every layer (memory-bound) or the pending token's skipped "
+              f"layers too (compute-bound). Propagate / learned: the skipped layers' K/V "
+              f"projections ({kv:.3f} of a layer each; learned + {maps:.3f} for its rank-"
+              f"{rank} maps)."]
     text = "\n".join(lines) + "\n"
     if args.out:
         write_marked(args.out, text, MARK)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KVCache, cache_shape
@@ -41,7 +41,7 @@ from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
 # Row exit histograms of the shipped SmolLM2 heads at batch 1 (threshold 0.985; layer: rows,
-# 30 = full depth), docs/benchmarks.md, "the shipped heads timed" (bench.shipped_exits).
+# 30 = full depth), docs/benchmarks.md at dcc3eba (bench.shipped_exits at threshold 0.985).
 SHIPPED = {
     "instructions": {20: 1, 21: 16, 22: 8, 23: 8, 24: 20, 25: 9, 26: 9, 27: 6, 28: 8, 29: 7,
                      30: 378},
@@ -110,13 +110,13 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target) -> tuple[Pieces, Cost, C
     fixed = cost(fixed_fn, (params, sds((B, 1), jnp.int32)), target)
     fill = cost(lambda p, h, pos: llama.kv_project(llama.layer_params(p, 0), h, pos, cfg1),
                 (p1, sds((B, 1, cfg.d_model), dt), sds((B, 1), jnp.int32)), target)
-    heads = jax.eval_shape(lambda p, h: exits.with_vocab_rows(p, h, cfg), params,
-                           exits.head_shapes(cfg, ec))
+    heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg), params,
+                           exit_heads.head_shapes(cfg, ec))
     h = sds((B, cfg.d_model), dt)
-    state = jax.eval_shape(lambda x: exits.init_check_state(x, ec), h)
+    state = jax.eval_shape(lambda x: exit_checks.init_check_state(x, ec), h)
 
     def check_fn(first):
-        return lambda p, hd, x, s: exits.check_confidence(p, hd, 0, x, s, cfg, ec,
+        return lambda p, hd, x, s: exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec,
                                                           first=first)[0]
 
     first = cost(check_fn(True), (params, heads, h, state), target)

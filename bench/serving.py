@@ -55,7 +55,6 @@ import numpy as np
 from bench.common import (
     HFRun,
     Served,
-    agreement,
     best_time,
     check_lengths,
     copy_bandwidth,
@@ -72,6 +71,7 @@ from bench.common import (
     log,
     median,
     num_cpus,
+    sequence_agreement,
     serve,
     stop_ids,
     wait_for_idle,
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
         used = clean or pairs
         ours, theirs = [o for o, _ in used], [h for _, h in used]
         toks = [[list(x.token_ids) for x in o.outputs] for o in ours]
-        same, frac, stopped = agreement(toks[-1], theirs[-1].tokens, stops)
+        same, frac, stopped = sequence_agreement(toks[-1], theirs[-1].tokens, stops)
         if any(t != toks[0] for t in toks):
             log(f"WARNING: batch {B}: ee-jax's greedy tokens differ between repetitions")
         summary = exit_summary(ours[-1].stats, cfg)

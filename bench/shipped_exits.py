@@ -38,8 +38,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import cpu_model, exit_summary, log, serve, write_marked
-from bench.per_row import agreement, forced_params, make_llm
+from bench.common import (
+    agreement,
+    cpu_model,
+    exit_summary,
+    forced_params,
+    log,
+    make_llm,
+    serve,
+    write_marked,
+)
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")
@@ -60,15 +68,17 @@ def workload_prompts(model, kind: str, n: int) -> list[list[int]]:
 
 def tiny_setup(n: int):
     """A 4-layer random model, random prompts and untrained candidate heads (smoke test)."""
-    from ee_jax.models import exits, llama
+    from ee_jax.models import backfill_maps, exit_heads, llama
+    from ee_jax.models.exit_config import ExitConfig
     from ee_jax.models.loading import LoadedModel
     from ee_jax.testing import tiny_config
 
     cfg = tiny_config(eos_token_ids=(), max_position=2048)
     params = llama.init_params(cfg, jax.random.PRNGKey(0), scale=0.4)
-    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
-                          measure="candidates", candidates=4, threshold=0.5)
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
+    ec = ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
+                    measure="candidates", candidates=4, threshold=0.5)
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
+    heads["backfill"] = backfill_maps.zero_maps(cfg, ec.exit_layers)  # learned == propagate
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(10, 30))).tolist()
                for _ in range(n)]
@@ -87,27 +97,46 @@ def split_agreement(outs, refs, n_layers: int) -> tuple[float, float, int]:
     return mean(full), mean(early), len(early)
 
 
+def honest_ideal(cfg, ec, heads, stats) -> float:
+    """The step-level ideal of the run (`EngineStats.ideal_speedup_with_head`): what its
+    decode steps really ran under ec's back-fill, memory-bound at batch 1 (this CPU),
+    compute-bound above."""
+    from ee_jax.models import backfill_maps
+
+    rank = backfill_maps.rank_of(heads["backfill"]) if "backfill" in heads else 0
+    return stats.ideal_speedup_with_head(cfg, ec, memory_bound_batch=1, maps_rank=rank)
+
+
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
-            overhead: bool = False) -> dict:
-    """Full depth vs the exit engine (ec, heads) on `prompts` at max_num_seqs=batch; with
-    `overhead`, also the exit engine at threshold 1.0 (every check runs, no row leaves: what
-    the checks and the exit loop cost at full depth)."""
+            backfills: tuple[str, ...], overhead: bool = False, default: bool = True) -> dict:
+    """Full depth vs an exit engine per back-fill (the exit program always: controller mode
+    "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
+    `default`, also the engine as a user gets it (the heads' back-fill, controller "auto":
+    full depth wherever checks do not pay); with `overhead`, the exit engine at threshold 1.0
+    (every check runs, no row leaves: what the checks and the exit loop cost)."""
+    from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.params import greedy
 
     L = model.config.n_layers
     max_len = -(-(max(map(len, prompts)) + new_tokens + 16) // 16) * 16
     full = make_llm(model, None, None, batch, max_len)
     refs = [o.token_ids for o in serve(full, prompts, greedy(new_tokens)).outputs]
-    engines = {"full depth": full, "exits": make_llm(model, ec, heads, batch, max_len)}
+    forced = ControllerConfig(mode="exits")
+    ecs = {f"exits {bf}": dataclasses.replace(ec, backfill=bf) for bf in backfills}
+    engines = {"full depth": full}
+    engines.update({k: make_llm(model, e, heads, batch, max_len, exit_control=forced)
+                    for k, e in ecs.items()})
+    if default:
+        ecs["default (auto)"] = ec
+        engines["default (auto)"] = make_llm(model, ec, heads, batch, max_len)
     if overhead:
         engines["checks only"] = make_llm(model, dataclasses.replace(ec, threshold=1.0), heads,
-                                          batch, max_len)
+                                          batch, max_len, exit_control=forced)
     params = forced_params(refs)
     res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
     for name, llm in engines.items():  # warm-up: every program these sequences need
         s = serve(llm, prompts, params)
         res[name]["compile"] = s.compile_time
-    ratios = []
     for rep in range(repeats):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # interleaved
         tps = {}
@@ -117,61 +146,72 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             tps[name] = s.stats.decode_tokens_per_s
             r["tps"].append(tps[name])
             r["contention"].append(s.contention)
-            r["compiles"] = r.get("compiles", 0) + s.num_compiles
-            if name == "exits" and rep == 0:
-                ex = exit_summary(s.stats, model.config, ec)
-                r.update(mean=ex["mean_layers"], hist=ex["row_hist"], ideal=ex["ideal"],
+            if name in ecs and rep == 0:
+                ex = exit_summary(s.stats, model.config, ecs[name])
+                r.update(mean=ex["mean_layers"], hist=ex["row_hist"],
+                         ideal=honest_ideal(model.config, ecs[name], heads, s.stats),
                          agree=agreement(s.outputs, refs),
                          split=split_agreement(s.outputs, refs, L))
-        ratios.append(tps["exits"] / tps["full depth"])
-        log(f"    round {rep + 1}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tps.items())
-            + f" (exits/full {ratios[-1]:.2f}x)")
+                ctl = engines[name].engine.controller
+                r["program"] = ctl.summary() if ctl is not None else "-"
+        log(f"    round {rep + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())
+            + " tok/s")
     for r in res.values():
         r["median"] = statistics.median(r["tps"])
-    out = res["exits"]
+        r["ratios"] = [a / b for a, b in zip(r["tps"], res["full depth"]["tps"], strict=True)]
+    base = res["full depth"]["median"]
     checks = res.get("checks only", {}).get("median", float("nan"))
-    return dict(full=res["full depth"]["median"], exits=out["median"],
-                checks_only=checks / res["full depth"]["median"],
-                ratio=out["median"] / res["full depth"]["median"], ratios=ratios,
-                contention=max(c for r in res.values() for c in r["contention"]),
+    contention = max(c for r in res.values() for c in r["contention"])
+    return dict(full=base, checks_only=checks / base, contention=contention,
+                tokens=sum(map(len, refs)), prompts=len(prompts),
                 compile={k: r["compile"] for k, r in res.items()},
-                compiles=sum(r.get("compiles", 0) for r in res.values()),
-                mean=out.get("mean", L), hist=out.get("hist", ""), ideal=out.get("ideal", 1.0),
-                agree=out.get("agree", 1.0), split=out.get("split", (1.0, 1.0, 0)),
-                tokens=sum(map(len, refs)),
-                prompts=len(prompts))
+                engines={k: dict(tps=res[k]["median"], ratio=res[k]["median"] / base,
+                                 ratios=res[k]["ratios"], mean=res[k].get("mean", L),
+                                 hist=res[k].get("hist", ""), ideal=res[k].get("ideal", 1.0),
+                                 agree=res[k].get("agree", 1.0), program=res[k].get("program"),
+                                 split=res[k].get("split", (1.0, 1.0, 0))) for k in ecs})
 
 
 def render(ctx) -> str:
-    out = ["### Timed: shipped heads vs full depth (`bench/shipped_exits.py`)", "",
-           f"Command: `{ctx['command']}`  ",
+    out = ["### Timed: shipped heads vs full depth, per back-fill (`bench/shipped_exits.py`)",
+           "", f"Command: `{ctx['command']}`  ",
            f"Machine: {ctx['machine']}; jax {jax.__version__}, backend "
            f"{jax.default_backend()}. Weights: {ctx['weights']}. Run {ctx['date']}.  ",
            f"Exits: {ctx['heads']}.  ",
-           f"Each workload: {ctx['n_prompts']} prompts, the full-depth greedy answer "
-           f"({ctx['new_tokens']} tokens at most) forced on both engines; median of "
-           f"{ctx['repeats']} interleaved rounds after a warm-up pass. Method: the docstring "
-           f"of `bench/shipped_exits.py`.", "",
-           "| workload | batch, policy, back-fill | tokens | full depth tok/s | exits tok/s | "
-           "ratio (rounds) | checks only / full | TF agreement (full-depth tokens / early "
-           "tokens) | mean layers / row | ideal with head | max contention | row exit histogram "
-           "(layer:rows) |",
-           "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
+           f"Each workload: {ctx['n_prompts']} prompts at batch 1 (2 x batch above), the "
+           f"full-depth greedy answer ({ctx['new_tokens']} tokens at most) forced on every "
+           f"engine; median of {ctx['repeats']} interleaved rounds after a warm-up pass. "
+           f"Baseline: the engine built with `early_exit=False` (full depth, no checks "
+           f"compiled). Method: the docstring of `bench/shipped_exits.py`.", "",
+           "| workload | batch, policy | engine | tokens | tok/s (full depth) | ratio (rounds) "
+           "| TF agreement (full-depth tokens / early tokens) | mean layers / row | honest "
+           "ideal | max contention | row exit histogram (layer:rows) |",
+           "|---|---|---|---:|---:|---|---|---:|---:|---:|---|"]
     for (w, b, pol), r in ctx["rows"]:
-        rounds = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        for name, e in r["engines"].items():
+            rounds = ", ".join(f"{x:.2f}" for x in e["ratios"])
+            out.append(f"| {w} | {b}, {pol} | {name} | {r['tokens']} | {e['tps']:.1f} "
+                       f"({r['full']:.1f}) | **{e['ratio']:.2f}x** ({rounds}) | "
+                       f"{e['agree']:.3f} ({e['split'][0]:.3f} / {e['split'][1]:.3f}) | "
+                       f"{e['mean']:.2f} | {e['ideal']:.2f}x | {100 * r['contention']:.0f}% | "
+                       f"{e['hist']} |")
         co = r["checks_only"]
-        checks = "-" if co != co else f"{co:.2f}x"
-        out.append(f"| {w} | {b}, {pol} | {r['tokens']} | {r['full']:.1f} | {r['exits']:.1f} "
-                   f"| **{r['ratio']:.2f}x** ({rounds}) | {checks} | "
-                   f"{r['agree']:.3f} ({r['split'][0]:.3f} / {r['split'][1]:.3f}) | "
-                   f"{r['mean']:.2f} | "
-                   f"{r['ideal']:.3f}x | {100 * r['contention']:.0f}% | {r['hist']} |")
-    out += ["", "Ratio: exits over full depth, decode tokens/s (the engines' own decode-step "
-            "time), medians; the rounds' own ratios in brackets. TF agreement: the exit "
-            "engine's predicted token equals the forced full-depth token. Checks only: the exit "
-            "engine at threshold 1.0 (every check runs, no row leaves) over full depth. Max "
-            "contention: the largest share of the CPU other processes used during any measured "
-            "pass."]
+        if co == co:
+            out.append(f"| {w} | {b}, {pol} | checks only (threshold 1.0) | {r['tokens']} | "
+                       f"- | {co:.2f}x | - | - | - | - | - |")
+        progs = [f"{n}: {e['program']}" for n, e in r["engines"].items()
+                 if n.startswith("default") and e.get("program")]
+        if progs:
+            out.append(f"| {w} | {b}, {pol} | (program) | | | {'; '.join(progs)} | | | | | |")
+    out += ["", "Ratio: the engine over full depth, decode tokens/s (the engines' own "
+            "decode-step time), medians; the rounds' own ratios in brackets. `exits X`: the "
+            "exit program always (controller mode \"exits\"), back-fill X. `default (auto)`: "
+            "the engine as shipped (the heads' back-fill; the controller runs full depth where "
+            "its cost model says checks do not pay). TF agreement: the predicted token equals "
+            "the forced full-depth token. Honest ideal: `exit_cost.step_speedup` of the "
+            "engine's exit histogram (memory-bound at batch 1, compute-bound above; deferred's "
+            "pending tokens run their layers). Max contention: the largest share of the CPU "
+            "other processes used during any measured pass."]
     return "\n".join(out) + "\n"
 
 
@@ -187,8 +227,10 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
-                   help="batch:policy[:backfill] (batch 8 uses 2 x 8 prompts; backfill "
-                        "defaults to the heads' own)")
+                   help="batch:policy (batch 8 uses 2 x 8 prompts)")
+    p.add_argument("--backfills", nargs="+", default=["deferred", "propagate", "learned"],
+                   choices=["deferred", "propagate", "learned"],
+                   help="back-fills timed side by side (learned needs fitted maps)")
     p.add_argument("--threshold", type=float, default=None,
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",
@@ -199,14 +241,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = []
     for spec in args.batch_runs:
-        b, _, rest = spec.partition(":")
-        pol, _, bf = rest.partition(":")
-        if bf and bf not in ("propagate", "deferred"):
-            raise SystemExit(f"--batch-runs {spec}: backfill must be propagate or deferred")
-        runs.append((int(b), pol or "all", bf or None))
+        b, _, pol = spec.partition(":")
+        runs.append((int(b), pol or "all"))
     if args.tiny:
         model, ec, heads, tiny_prompts = tiny_setup(2 * max(r[0] for r in runs))
-        weights, what = "tiny random (4 layers, f32)", "untrained candidate heads"
+        weights = "tiny random (4 layers, f32)"
+        what = "untrained candidate heads, zero back-fill maps"
         args.workloads = ["random"]
     else:
         from ee_jax.models.exit_checkpoint import load_exit_heads
@@ -232,17 +272,18 @@ def main(argv=None) -> int:
                date=time.strftime("%Y-%m-%d %H:%M"), heads=what, n_prompts=args.prompts,
                new_tokens=args.new_tokens, repeats=args.repeats, rows=[])
     for w in args.workloads:
-        for b, pol, bf in runs:
+        for b, pol in runs:
             n = args.prompts if b == 1 else 2 * b
             prompts = tiny_prompts[:n] if args.tiny else workload_prompts(model, w, n)
-            run_ec = dataclasses.replace(ec, policy=pol, backfill=bf or ec.backfill)
-            log(f"{w}: batch {b}, policy {pol}, back-fill {run_ec.backfill}, "
+            run_ec = dataclasses.replace(ec, policy=pol)
+            log(f"{w}: batch {b}, policy {pol}, back-fills {args.backfills}, "
                 f"{len(prompts)} prompts")
             r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
-                        args.overhead)
-            ctx["rows"].append(((w, b, f"{pol}, {run_ec.backfill}"), r))
-            log(f"  {w} batch {b} {pol}: {r['ratio']:.2f}x, TF {r['agree']:.3f}, mean layers "
-                f"{r['mean']:.2f}, ideal with head {r['ideal']:.3f}x")
+                        tuple(args.backfills), args.overhead)
+            ctx["rows"].append(((w, b, pol), r))
+            for name, e in r["engines"].items():
+                log(f"  {w} batch {b} {pol} {name}: {e['ratio']:.2f}x, TF {e['agree']:.3f}, "
+                    f"mean layers {e['mean']:.2f}, honest ideal {e['ideal']:.2f}x")
             text = render(ctx)
             if args.out:  # after every row: a long run leaves what it has
                 write_marked(args.out, text, MARK)

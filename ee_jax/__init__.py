@@ -2,6 +2,7 @@
 
 from ee_jax.errors import EEJaxError, ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ModelConfig, RopeScaling
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model
 from ee_jax.serving.aot import quiet_libtpu
 from ee_jax.serving.engine import EngineConfig, LLMEngine
@@ -16,6 +17,7 @@ __all__ = [
     "LLM",
     "EEJaxError",
     "EngineConfig",
+    "ExitConfig",
     "InvalidRequestError",
     "LLMEngine",
     "LoadedModel",

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
+from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
+from ee_jax.serving.compilation import compilation_cache_from_env, enable_compilation_cache
 
 
 def _read_prompts(args) -> list[dict]:
@@ -46,6 +48,7 @@ def _read_prompts(args) -> list[dict]:
 def _generate(args) -> int:
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import SamplingParams
+    from ee_jax.serving.stats import exit_summary, format_exit_summary
 
     items = _read_prompts(args)
     _join_processes(args)
@@ -85,8 +88,6 @@ def _generate(args) -> int:
             print(out.text if out.error is None else f"[error] {out.error}")
             print()
     s = llm.engine.stats
-    ttfts = [o.metrics.time_to_first_token for o in outs
-             if o.metrics and o.metrics.time_to_first_token is not None]
     gen = sum(len(o.token_ids) for o in outs)
     bpp = llm.engine.kv_cache_bytes / llm.engine.blocks.num_pages
     print("--- summary", file=sys.stderr)
@@ -94,14 +95,8 @@ def _generate(args) -> int:
           f"generated {gen} tokens in {wall:.2f}s wall (compile included) -> "
           f"{gen / wall:.1f} tok/s",
           file=sys.stderr)
-    step_ms = 1000 * s.decode_step_time
-    print(f"decode {s.decode_tokens_per_s:.1f} tok/s, {step_ms:.1f} ms/step over "
-          f"{s.num_decode_steps} steps; "
-          f"prefill {s.num_prompt_tokens} tokens in {s.num_prefill_steps} steps",
-          file=sys.stderr)
-    if ttfts:
-        print(f"time to first token: mean {statistics.mean(ttfts):.3f}s, "
-              f"median {statistics.median(ttfts):.3f}s", file=sys.stderr)
+    for line in _timing_lines(s, outs):
+        print(line, file=sys.stderr)
     print(f"compile {s.compile_time:.2f}s for {s.num_compiles} programs (apart from the "
           f"above); load {llm.load_time:.1f}s; host time "
           f"{1000 * s.host_time / max(1, s.num_steps):.1f} ms/step", file=sys.stderr)
@@ -110,43 +105,41 @@ def _generate(args) -> int:
           file=sys.stderr)
     ec = llm.engine.exit_config
     if ec is not None:
-        print(_exit_summary(s, llm.model.config, ec), file=sys.stderr)
+        cfg = llm.model.config
+        print(format_exit_summary(exit_summary(s, cfg, ec), cfg, ec), file=sys.stderr)
+        print(f"exit program per batch size: {llm.engine.controller.summary()}",
+              file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
-def _exit_summary(s, cfg, ec) -> str:
-    """The early-exit lines of `generate`'s summary: which exits, where rows left, and the
-    ideal speed-up with the heads and checks counted (the engine's cost model)."""
-    from ee_jax.models import exits
-
-    L, cost = cfg.n_layers, exits.cost_model(cfg, ec)
-    rows = sum(s.row_exit_counts.values())
-    early = rows - s.row_exit_counts.get(L, 0)
-    vocab = f"{ec.vocab_subset:,}-id subset" if ec.vocab_subset else "whole vocabulary"
-    deferred = ("" if not cost.completion else
-                f"; back-fill 'deferred' runs the skipped layers in the next step, counted as "
-                f"whole layers: "
-                f"{exits.ideal_speedup_with_head(cfg, ec, s.row_exit_counts, 0.0):.2f}x if "
-                f"they were free, as where decode is memory-bound")
-    check = (f"first check {cost.checks[0]:.2f}, later checks {cost.checks[-1]:.3f} each"
-             if ec.measure == "candidates" else f"each check {cost.checks[0]:.2f}")
-    return (f"early exit ({ec.policy}, {ec.measure} >= {ec.threshold}, head {ec.head}, exits "
-            f"{list(ec.exit_layers)}): {early} of {rows} rows left early; rows per exit layer "
-            f"{{{s.row_exit_histogram()}}}; mean layers per token {s.mean_layers_per_row:.1f} "
-            f"of {L} -> ideal speedup {s.ideal_row_speedup(L):.2f}x, "
-            f"{s.ideal_speedup_with_head(cfg, ec):.2f}x counting the heads and checks "
-            f"(layer-equivalents: final head {cost.final_head:.2f}, exit head over the {vocab} "
-            f"{cost.exit_head:.2f}, {check}{deferred}); layers x rows computed "
-            f"{s.work_fraction:.2f} of "
-            f"full depth; {s.vocab_checks_per_decode_step:.1f} vocabulary projections per step "
-            f"for exit checks")
+def _timing_lines(s, outs) -> list[str]:
+    """Decode speed and time to first token as a warm server gives them: steps that compiled
+    a program are left out (and counted), so a mid-run compile does not pass for slow decoding
+    (`EngineStats.decode_step_time`, `RequestMetrics.warm_time_to_first_token`)."""
+    warm_steps = s.num_decode_steps - s.num_decode_compiles
+    lines = [f"decode {s.decode_tokens_per_s:.1f} tok/s, {1000 * s.decode_step_time:.1f} "
+             f"ms/step over {warm_steps} steps ({s.num_decode_compiles} that compiled left "
+             f"out); prefill {s.num_prompt_tokens} tokens in {s.num_prefill_steps} steps"]
+    done = [o.metrics for o in outs if o.metrics and o.metrics.first_token_time is not None]
+    if done:
+        warm = [m.warm_time_to_first_token for m in done]
+        waited = [m for m in done if m.compile_wait > 0]
+        lines.append(
+            f"time to first token: mean {statistics.mean(warm):.3f}s, median "
+            f"{statistics.median(warm):.3f}s, compiles left out ({len(waited)} of {len(done)} "
+            f"requests waited on one; with them: mean "
+            f"{statistics.mean(m.time_to_first_token for m in done):.3f}s)")
+    return lines
 
 
 def _engine_kwargs(args) -> dict:
+    from ee_jax.serving.controller import ControllerConfig
+
     return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
                 attention=args.attention, async_scheduling=args.async_scheduling,
-                mixed_steps=args.mixed_steps)
+                mixed_steps=args.mixed_steps,
+                exit_control=ControllerConfig(mode=getattr(args, "exit_control", "auto")))
 
 
 def _join_processes(args) -> None:
@@ -222,17 +215,14 @@ def _serve(args) -> int:
 def _exit_kwargs(args, model) -> dict:
     """ExitConfig and heads from the --exit-* flags. Default: the heads shipped for a registry
     model (SmolLM2); --exit-heads loads others; --exit-layers builds untrained norm heads."""
-    from ee_jax.models import exits
     from ee_jax.models.exit_checkpoint import load_exit_heads
 
     if not args.early_exit:
         return {"early_exit": False}
     overrides = {k: v for k, v in (("threshold", args.exit_threshold),
-                                   ("policy", args.exit_policy)) if v is not None}
-    # Serving default: each row leaves at its own first confident exit. Under "all" a batch
-    # waits for its least confident row, so at a faithful threshold it almost never leaves
-    # (the demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same.
-    overrides.setdefault("policy", "per_row")
+                                   ("policy", args.exit_policy),
+                                   ("backfill", args.backfill)) if v is not None}
+    overrides.setdefault("policy", SERVING_POLICY)  # the one serving default (LLM's too)
     layers = (tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
               if args.exit_layers else None)
     trained = None
@@ -245,14 +235,15 @@ def _exit_kwargs(args, model) -> dict:
         return {"exit_config": dataclasses.replace(ec, **overrides), "exit_heads": heads}
     if layers is None:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
-    ec = exits.ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
-                          threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                          policy=overrides["policy"])
+    ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
+                    threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
+                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"))
     return {"exit_config": ec}
 
 
 def _tune(args) -> int:
-    from ee_jax.training.tune import TuneConfig, tune
+    from ee_jax.training.tune import tune
+    from ee_jax.training.tune_config import TuneConfig
 
     tc = TuneConfig.from_yaml(args.config, max_steps=args.max_steps, work_dir=args.work_dir,
                               output=args.output)
@@ -262,6 +253,58 @@ def _tune(args) -> int:
                       "held_out_agreement": dict(zip(res.exit_config.exit_layers,
                                                      res.eval_metrics.get("agree", []),
                                                      strict=False))}))
+    return 0
+
+
+def _calibrate(args) -> int:
+    """Re-pick the threshold of saved heads on the preset's calibration answers (the heads'
+    arrays stay as they are); --served measures served agreement instead."""
+    import shlex
+
+    from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.exit_threshold import CalibrationTable
+    from ee_jax.models.loading import load_model
+    from ee_jax.training.calibrate import served_calibration, ship_calibration
+    from ee_jax.training.tune import calibrate_heads, calibration_answers, served_tables
+    from ee_jax.training.tune_config import TuneConfig
+
+    if (args.tables or args.ship) and not args.served:
+        raise ValueError("calibrate: --tables and --ship go with --served")
+    tc = TuneConfig.from_yaml(args.config, target_agreement=args.target_agreement)
+    heads_dir = args.heads or tc.output
+    if not args.served:
+        model = load_model(tc.model, dtype="float32", progress=False)
+        cal = calibrate_heads(tc, model, heads_dir)
+        print(json.dumps({"threshold": cal["threshold"],
+                          "target_agreement": cal["target_agreement"],
+                          "delta": cal["delta"], "n": cal["n"],
+                          "groups": {k: {"n": g["n"], "threshold": g["threshold"]}
+                                     for k, g in cal.get("groups", {}).items()}}))
+        return 0
+    command = "ee-jax calibrate " + shlex.join(args.argv)
+    if args.tables:
+        saved = json.loads(Path(args.tables).read_text())
+        tables = {g: CalibrationTable.from_json(t) for g, t in saved["groups"].items()}
+        command += f" (tables made by: {saved.get('command', 'unrecorded')})"
+        backfill = saved.get("backfill")
+    else:
+        model = load_model(tc.model, dtype="float32", progress=False)
+        ec, heads = load_exit_heads(heads_dir, model.config)
+        if args.backfill:
+            ec = dataclasses.replace(ec, backfill=args.backfill)
+        tables = served_tables(model, ec, heads, calibration_answers(tc, model),
+                               args.thresholds, batch=args.batch)
+        backfill = ec.backfill
+    res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command, backfill)
+    if not args.tables:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    if args.ship:
+        ship_calibration(heads_dir, res)
+    for g, t in tables.items():
+        print(g, "n", t.n, " ".join(f"{th}:{e / t.n:.4f}/{m:.2f}" for th, e, m in
+                                   zip(t.thresholds, t.errors, t.mean_layers, strict=True)))
+    print(json.dumps({k: res[k] for k in ("threshold", "picks", "target_agreement")}))
     return 0
 
 
@@ -313,8 +356,7 @@ def _compile(args) -> int:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           page_size=args.page_size, num_pages=args.num_pages,
-                          mesh=args.mesh, attention=args.attention,
-                          compilation_cache_dir=None)
+                          mesh=args.mesh, attention=args.attention)
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
     verb = "compiling" if target.compiles else "lowering"
@@ -439,7 +481,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    help="decode rows join prefill steps (at full depth) instead of waiting "
                    "(default on; --no-mixed-steps: decode rows wait for separate steps)")
     d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",
-                   help="compile every step shape the engine can meet before serving")
+                   help="compile every step shape the engine can meet before serving "
+                   "(serve: default all; programs come from the persistent compilation "
+                   "cache, $EE_JAX_COMPILATION_CACHE or ~/.cache/ee-jax/xla, once compiled)")
     d.add_argument("--coordinator", default=None, help="several hosts: the coordinator's "
                    "host:port (or EE_JAX_COORDINATOR); run the same command on every host")
     d.add_argument("--num-processes", type=int, default=None, help="several hosts: how many "
@@ -458,6 +502,14 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
+    e.add_argument("--backfill", choices=["deferred", "propagate", "learned"], default=None,
+                   help="what a skipped layer's keys/values hold (default: the heads' own): "
+                   "learned (fitted maps, shipped with the heads) saves the layers at near "
+                   "deferred's fidelity; see docs/early_exit.md")
+    e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
+                   help="auto (default): per batch size, run the exit program only where the "
+                   "cost model says its checks pay, else full depth; exits: always the exit "
+                   "program; full: never")
     e.add_argument("--confidence", default="max_prob",
                    choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
     e.add_argument("--exit-head", default="norm", choices=["norm", "adapter", "mlp"])
@@ -487,7 +539,9 @@ def _add_serve_parser(sub) -> None:
                    choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--quiet", action="store_true", help="no loading progress")
     _add_engine_args(v)
-    v.set_defaults(func=_serve)
+    v.add_argument("--no-precompile", dest="precompile", action="store_const", const="none",
+                   help="start serving at once; each step shape compiles when first met")
+    v.set_defaults(func=_serve, precompile="all")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,6 +575,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="folder for the trained heads")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_tune)
+    c = sub.add_parser("calibrate", help="re-pick the threshold of tuned exit heads on the "
+                       "preset's calibration answers (Learn-then-Test); the heads stay as "
+                       "they are")
+    c.add_argument("--config", required=True, help="the heads' YAML tuning preset")
+    c.add_argument("--heads", help="heads folder (default: the preset's output)")
+    c.add_argument("--target-agreement", type=float,
+                   help="agreement with full depth to certify (default: the preset's)")
+    c.add_argument("--served", action="store_true",
+                   help="calibrate on served agreement (the engine, forced answers)")
+    c.add_argument("--thresholds", type=float, nargs="+",
+                   default=[0.995, 0.99, 0.985, 0.98, 0.975, 0.97, 0.96],
+                   help="with --served: the thresholds to serve at")
+    c.add_argument("--batch", type=int, default=32, help="with --served: rows per step")
+    c.add_argument("--out", default="runs/served_calibration.json",
+                   help="with --served: where the served tables go")
+    c.add_argument("--tables", help="with --served: served tables written before (an --out "
+                   "file); re-pick from them instead of decoding")
+    c.add_argument("--backfill", choices=BACKFILLS, help="with --served: serve the answers "
+                   "with this back-fill (default: the heads' own)")
+    c.add_argument("--ship", action="store_true", help="with --served: write the pick into "
+                   "the heads folder (calibration.json and exit_config.json's threshold)")
+    c.set_defaults(func=_calibrate)
     _add_eval_parser(sub)
     _add_serve_parser(sub)
     _add_compile_parser(sub)
@@ -531,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     """Every mistake ends in one line on stderr and exit status 2 (argparse's own usage
     errors too); a traceback means a bug in ee-jax."""
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[2:] if argv is None else list(argv)[1:]  # after the subcommand
+    # Process-wide JAX settings are the entry point's to make, not a library constructor's:
+    # the persistent compilation cache ($EE_JAX_COMPILATION_CACHE, "" turns it off).
+    enable_compilation_cache(compilation_cache_from_env())
     try:
         return args.func(args)
     except (EEJaxError, ValueError, OSError) as e:  # bad knobs, files, ports

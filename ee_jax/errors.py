@@ -11,3 +11,8 @@ class ModelLoadError(EEJaxError, ValueError):
 
 class UnsupportedModelError(ModelLoadError):
     """A well-formed model that ee-jax does not implement (architecture, quantization...)."""
+
+
+class TokenizationError(EEJaxError, ValueError):
+    """Text the tokenizer cannot encode (not a str, or not valid Unicode such as a lone
+    surrogate): the message names the position and what to send instead."""

@@ -22,13 +22,13 @@ distributed.initialize(distributed.DistributedConfig(
 
 import jax  # noqa: E402
 
-from ee_jax.models import exits  # noqa: E402
+from ee_jax.models.exit_config import ExitConfig  # noqa: E402
 from ee_jax.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from ee_jax.serving.params import greedy  # noqa: E402
 from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS  # noqa: E402
 
 cfg, params = MODEL
-ec = exits.ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
+ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
 engine = LLMEngine(cfg, params, None, EngineConfig(**CONFIG, mesh="tp=4,dp=2"), exit_config=ec)
 if distributed.is_leader():
     for i, p in enumerate(PROMPTS):

@@ -6,8 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.common import exit_summary, head_layers, serve, smollm2_shaped_config
-from bench.poisson import arrival_times, summarize, ttft_floors
+from bench.common import (
+    agreement,
+    exit_summary,
+    forced_params,
+    head_layers,
+    serve,
+    smollm2_shaped_config,
+    step_case,
+    time_steps,
+)
+from bench.load import arrival_times, summarize, ttft_floors
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
@@ -107,3 +117,32 @@ def test_exit_ceiling_rules_on_a_hand_made_case():
     assert 0.6 < t <= 0.7 and wrong == 0.0 and lay.mean() == 2.0
     t, lay, wrong = best_at_budget(conf, agree, E, L, 0.25)
     assert wrong == 0.25 and lay.mean() < 2.0
+
+
+def test_teacher_forced_agreement_counts_positions_after_the_first():
+    class Out:  # what the engine returns: its own greedy choice at each forced position
+        def __init__(self, predicted):
+            self.predicted_token_ids = predicted
+
+    refs = [[5, 6, 7, 8], [1, 2]]
+    outs = [Out([9, 6, 0, 8]), Out([3, 4])]  # position 0 follows the prompt: not compared
+    assert agreement(outs, refs) == pytest.approx(2 / 4)
+    params = forced_params(refs, [None, 0.5])
+    assert [p.forced_tokens for p in params] == [tuple(r) for r in refs]
+    assert [p.max_tokens for p in params] == [4, 2] and params[1].exit_threshold == 0.5
+
+
+def test_step_timer_times_every_variant_with_its_exit_histogram():
+    """Full depth and a forced exit at layer 2: the timer's histogram holds every timed row
+    at the layer the variant runs to, the first call apart; ratios are base / variant."""
+    ec = ExitConfig(exit_layers=(2,), force_exit_layer=2)
+    cases = {"full": step_case(CFG, PARAMS, 2, 10),
+             "exit 2": step_case(CFG, PARAMS, 2, 10, exit_config=ec)}
+    times = time_steps(cases, rounds=3, steps=2)
+    assert times["full"].exit_layers == {CFG.n_layers: 3 * 2 * 2}
+    assert times["exit 2"].exit_layers == {2: 3 * 2 * 2}
+    assert all(len(t.wall) == len(t.cpu) == 3 and t.compile_s > 0 for t in times.values())
+    base, other = times["full"], times["exit 2"]
+    ratios = sorted(np.asarray(base.wall) / np.asarray(other.wall))
+    assert other.ratio_to(base) == (ratios[0], ratios[1], ratios[2])
+    assert base.ratio_to(base) == (1.0, 1.0, 1.0)

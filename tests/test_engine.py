@@ -87,14 +87,14 @@ def test_trace_count_bounded_over_long_run(shared):
     while engine.has_unfinished_requests():
         engine.step()
     compiled = engine.num_compiled_programs
-    assert all(n == 1 for n in engine.runner.traces.values()), engine.runner.traces
+    assert all(n <= 1 for n in engine.runner.traces.values()), engine.runner.traces
     # The same workload again compiles nothing new.
     for i, n in enumerate((3, 17, 38, 1, 9)):
         engine.add_request(f"again-{i}", rng.integers(3, CFG.vocab_size, n).tolist(), greedy(9))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_compiled_programs <= compiled + 3
-    assert all(n == 1 for n in engine.runner.traces.values())
+    assert all(n <= 1 for n in engine.runner.traces.values())
 
 
 def test_stop_token_and_max_model_len(reference, shared):

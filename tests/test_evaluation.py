@@ -28,8 +28,8 @@ from ee_jax.evaluation import (
 from ee_jax.evaluation.layerwise import windows
 from ee_jax.evaluation.report import LAYER_PLOT, MARKDOWN, SPEED_PLOT
 from ee_jax.evaluation.sweep import FULL
-from ee_jax.models import exits, llama
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import tiny_config
 
@@ -44,7 +44,7 @@ EC = ExitConfig(exit_layers=(1, 2, 3), head="adapter", measure="classifier", ada
 
 def random_heads(ec: ExitConfig, seed: int = 1):
     """Heads unlike the untrained ones: perturbed norms, a non-zero adapter, a classifier."""
-    heads = exits.init_heads(CFG, ec, PARAMS)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
     k = iter(jax.random.split(jax.random.PRNGKey(seed), 4))
     heads["norm"] = heads["norm"] * (1 + 0.3 * jax.random.normal(next(k), heads["norm"].shape))
     if "adapter" in heads:
@@ -102,13 +102,13 @@ def _padded_forward(params, tokens, width):
 @functools.partial(jax.jit, static_argnames=("ec",))
 def _one_exit(heads, slot, h, h_prev, final_top, ec):
     """One token, one exit: (confidence, exit top-1 == final top-1)."""
-    lg = exits.exit_logits(PARAMS, heads, slot, h, CFG)
+    lg = exit_heads.exit_logits(PARAMS, heads, slot, h, CFG)
     if ec.needs_vocab:
-        c = exits.confidence_from_logits(lg, ec.measure)
+        c = exit_checks.confidence_from_logits(lg, ec.measure)
     elif ec.measure == "saturation":
-        c = exits.saturation(h, h_prev)
+        c = exit_checks.saturation(h, h_prev)
     else:
-        c = exits.classifier_confidence(heads, slot, h, CFG)
+        c = exit_checks.classifier_confidence(heads, slot, h, CFG)
     return c, jnp.argmax(lg) == final_top
 
 

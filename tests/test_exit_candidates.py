@@ -1,5 +1,5 @@
 """Issue #12, the cheaper first check: the candidate search over the vocabulary subset reads
-int8 copies of its LM-head rows (`exits.with_vocab_rows`, `approx_subset_logits`), and the k
+int8 copies of its LM-head rows (`exit_heads.with_vocab_rows`, `approx_subset_logits`), and the k
 candidates are then scored exactly. Truths: the f32 head (`llama.unembed`, the f32 search),
 numpy, the reference per-position decode of tests/test_exit_decision.py."""
 
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.testing import tiny_model
 
 CFG, PARAMS = tiny_model(seed=5)
@@ -25,11 +26,11 @@ K = 8  # candidates, as shipped
 
 
 def subset_heads(cfg, params, subset=SUBSET, k=K, seed=0):
-    ec = exits.ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
-                          measure="candidates", vocab_subset=len(subset), candidates=k)
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(seed))
-    heads = exits.attach_vocab_subset(heads, exits.VocabSubset(subset, "tiny", cfg.vocab_size),
-                                      cfg, "tiny")
+    ec = ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
+                    measure="candidates", vocab_subset=len(subset), candidates=k)
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(seed))
+    vocab = exit_heads.VocabSubset(subset, "tiny", cfg.vocab_size)
+    heads = exit_heads.attach_vocab_subset(heads, vocab, cfg, "tiny")
     key = jax.random.PRNGKey(seed + 1)
     heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
     heads["decision"]["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
@@ -42,15 +43,15 @@ def head_rows(cfg, params) -> np.ndarray:
 
 
 def first_check(params, heads, h, cfg, ec):
-    st0 = exits.init_check_state(h, ec)
-    return exits.candidate_features(params, heads, 0, h, st0, cfg, ec, first=True)
+    st0 = exit_checks.init_check_state(h, ec)
+    return exit_checks.candidate_features(params, heads, 0, h, st0, cfg, ec, first=True)
 
 
 @pytest.mark.parametrize("cfg,params", [(CFG, PARAMS), (TIED_CFG, TIED_PARAMS)],
                          ids=["untied", "tied"])
 def test_int8_rows_and_the_approximate_logits(cfg, params):
     _, heads = subset_heads(cfg, params)
-    hv = exits.with_vocab_rows(params, heads, cfg)
+    hv = exit_heads.with_vocab_rows(params, heads, cfg)
     w = head_rows(cfg, params)[SUBSET]  # [K, D]
     np.testing.assert_array_equal(np.asarray(hv["vocab_rows"]), w)  # the f32 rows kept as-is
     q, s = np.asarray(hv["vocab_rows_q"]), np.asarray(hv["vocab_rows_scale"])
@@ -58,18 +59,18 @@ def test_int8_rows_and_the_approximate_logits(cfg, params):
     np.testing.assert_allclose(s, np.abs(w).max(1) / 127, rtol=1e-6)
     np.testing.assert_array_equal(q, np.round(w / s[:, None]))
     # the product: only the weights' rounding remains (x split into hi + lo/254)
-    hn = exits.exit_hidden(heads, 0, jax.random.normal(jax.random.PRNGKey(3), (5, cfg.d_model)),
-                           cfg)
+    h = jax.random.normal(jax.random.PRNGKey(3), (5, cfg.d_model))
+    hn = exit_heads.exit_hidden(heads, 0, h, cfg)
     x = np.asarray(hn, np.float64)
     deq = x @ (q.astype(np.float64) * s[:, None]).T
     for xs in (hn, hn[:1], hn[0]):  # batch 5, batch 1, no batch axis
-        got = np.asarray(exits.approx_subset_logits(hv, xs, cfg))
+        got = np.asarray(exit_heads.approx_subset_logits(hv, xs, cfg))
         want = deq[:len(np.atleast_2d(xs))].reshape(got.shape)
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3 * np.abs(deq).max())
     # and they approximate the exact logits within the rows' rounding: |x| . scale / 2
     exact = x @ w.T
     bound = np.abs(x).sum(1, keepdims=True) * s / 2 + 1e-4
-    assert (np.abs(np.asarray(exits.approx_subset_logits(hv, hn, cfg)) - exact) <= bound).all()
+    assert (np.abs(np.asarray(exit_heads.approx_subset_logits(hv, hn, cfg)) - exact) <= bound).all()
 
 
 @pytest.mark.parametrize("cfg,params", [(CFG, PARAMS), (TIED_CFG, TIED_PARAMS)],
@@ -79,10 +80,10 @@ def test_candidates_carry_their_exact_logits(cfg, params):
     checks see) are the f32 head's at those ids, in descending order; p0 is a probability
     close to the f32 search's."""
     ec, heads = subset_heads(cfg, params)
-    hv = exits.with_vocab_rows(params, heads, cfg)
+    hv = exit_heads.with_vocab_rows(params, heads, cfg)
     h = jax.random.normal(jax.random.PRNGKey(4), (6, cfg.d_model))
     feats, st = first_check(params, hv, h, cfg, ec)
-    full = np.asarray(llama.unembed(params, exits.exit_hidden(heads, 0, h, cfg), cfg))
+    full = np.asarray(llama.unembed(params, exit_heads.exit_hidden(heads, 0, h, cfg), cfg))
     cand = np.asarray(st.cand)
     assert np.isin(cand, SUBSET).all()
     assert all(len(set(r)) == K for r in cand)
@@ -94,8 +95,8 @@ def test_candidates_carry_their_exact_logits(cfg, params):
                       - sub.max(1))
     p0 = np.asarray(st.p0)
     assert ((p0 > 0) & (p0 <= 1)).all()
-    f32_feats, f32_st = first_check(params, exits.with_vocab_rows(params, heads, cfg, None), h,
-                                    cfg, ec)
+    f32_feats, f32_st = first_check(params, exit_heads.with_vocab_rows(params, heads, cfg, None), h,
+                                         cfg, ec)
     np.testing.assert_allclose(np.asarray(f32_st.p0), p0_exact, rtol=1e-5)
     np.testing.assert_allclose(p0, p0_exact, atol=5e-3)
     np.testing.assert_allclose(np.asarray(feats[:, 8]), p0)
@@ -111,7 +112,7 @@ def test_well_separated_top_k_is_found_exactly():
     rounding): the int8 search returns the f32 search's ids, in its order, and the same
     features but p0."""
     cfg, params = TIED_CFG, TIED_PARAMS
-    subset = np.arange(3, 3 + 96, dtype=np.int32)  # 96 ids: 3 blocks of `exits.top_k`
+    subset = np.arange(3, 3 + 96, dtype=np.int32)  # 96 ids: 3 blocks of `exit_checks.top_k`
     ec, heads = subset_heads(cfg, params, subset)
     heads["mlp"]["up"] = jnp.zeros_like(heads["mlp"]["up"])  # exit hidden: h / rms(h)
     heads["norm"] = jnp.ones_like(heads["norm"])
@@ -124,8 +125,8 @@ def test_well_separated_top_k_is_found_exactly():
     params = dict(params, embed=jnp.asarray(embed))
     h = jnp.asarray(np.stack([v, 3 * v, v + 0.01 * rng.normal(size=cfg.d_model)]),
                     jnp.float32)
-    f8, s8 = first_check(params, exits.with_vocab_rows(params, heads, cfg), h, cfg, ec)
-    f32, s32 = first_check(params, exits.with_vocab_rows(params, heads, cfg, None), h, cfg, ec)
+    f8, s8 = first_check(params, exit_heads.with_vocab_rows(params, heads, cfg), h, cfg, ec)
+    f32, s32 = first_check(params, exit_heads.with_vocab_rows(params, heads, cfg, None), h, cfg, ec)
     np.testing.assert_array_equal(np.asarray(s8.cand), np.asarray(s32.cand))
     np.testing.assert_array_equal(np.asarray(s8.cand)[0], top)
     np.testing.assert_allclose(np.asarray(s8.cand_logit), np.asarray(s32.cand_logit),
@@ -137,29 +138,29 @@ def test_well_separated_top_k_is_found_exactly():
 
 def test_derived_leaves_are_checked_and_never_saved(tmp_path):
     ec, heads = subset_heads(CFG, PARAMS)
-    hv = exits.with_vocab_rows(PARAMS, heads, CFG)
-    assert set(hv) - set(heads) == set(exits.DERIVED_LEAVES)
-    exits.check_heads(CFG, ec, hv)
-    again = exits.with_vocab_rows(PARAMS, hv, CFG)  # idempotent: derived from the head again
+    hv = exit_heads.with_vocab_rows(PARAMS, heads, CFG)
+    assert set(hv) - set(heads) == set(exit_heads.DERIVED_LEAVES)
+    exit_heads.check_heads(CFG, ec, hv)
+    again = exit_heads.with_vocab_rows(PARAMS, hv, CFG)  # idempotent: derived from the head again
     assert set(again) == set(hv)
     np.testing.assert_array_equal(np.asarray(again["vocab_rows_q"]), np.asarray(hv["vocab_rows_q"]))
-    assert set(exits.with_vocab_rows(PARAMS, hv, CFG, None)) == set(heads) | {"vocab_rows"}
-    with pytest.raises(exits.ExitConfigError, match="vocab_rows_q"):
-        exits.check_heads(CFG, ec, dict(hv, vocab_rows_q=hv["vocab_rows_q"][:3]))
-    with pytest.raises(exits.ExitConfigError, match="vocab_rows_scale"):
-        exits.check_heads(CFG, ec, dict(hv, vocab_rows_scale=jnp.ones((3,))))
-    with pytest.raises(exits.ExitConfigError, match="candidate_dtype"):
-        exits.with_vocab_rows(PARAMS, heads, CFG, "int4")
+    assert set(exit_heads.with_vocab_rows(PARAMS, hv, CFG, None)) == set(heads) | {"vocab_rows"}
+    with pytest.raises(ExitConfigError, match="vocab_rows_q"):
+        exit_heads.check_heads(CFG, ec, dict(hv, vocab_rows_q=hv["vocab_rows_q"][:3]))
+    with pytest.raises(ExitConfigError, match="vocab_rows_scale"):
+        exit_heads.check_heads(CFG, ec, dict(hv, vocab_rows_scale=jnp.ones((3,))))
+    with pytest.raises(ExitConfigError, match="candidate_dtype"):
+        exit_heads.with_vocab_rows(PARAMS, heads, CFG, "int4")
     save_exit_heads(tmp_path / "h", CFG, ec, hv)  # serving heads saved: the derived leaves drop
     saved = " ".join(os.listdir(tmp_path / "h" / "heads"))
     ec2, back = load_exit_heads(tmp_path / "h", CFG)
     assert ec2 == ec and set(back) == set(heads), saved
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(heads), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    exits.check_heads(CFG, ec, exits.with_vocab_rows(PARAMS, back, CFG))
+    exit_heads.check_heads(CFG, ec, exit_heads.with_vocab_rows(PARAMS, back, CFG))
     plain = dataclasses.replace(ec, measure="max_prob", vocab_subset=0)  # no subset: as is
-    ph = exits.init_heads(CFG, plain, PARAMS)
-    assert exits.with_vocab_rows(PARAMS, ph, CFG) is ph
+    ph = exit_heads.init_heads(CFG, plain, PARAMS)
+    assert exit_heads.with_vocab_rows(PARAMS, ph, CFG) is ph
 
 
 def test_decisions_from_the_int8_search_emit_exact_subset_tokens():
@@ -170,7 +171,7 @@ def test_decisions_from_the_int8_search_emit_exact_subset_tokens():
 
     cfg, params = CFG, PARAMS
     ec, heads = subset_heads(cfg, params)
-    hv = exits.with_vocab_rows(params, heads, cfg)
+    hv = exit_heads.with_vocab_rows(params, heads, cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, 24), jnp.int32)
     _, hidden = llama.forward(params, tokens[None], cfg, return_hidden=True)
     for thr in (0.0, 0.5):
@@ -182,8 +183,8 @@ def test_decisions_from_the_int8_search_emit_exact_subset_tokens():
         assert (p[:, np.setdiff1d(np.arange(cfg.vocab_size), SUBSET)] == 0).all()
         for t in np.flatnonzero(left):
             s = int(slot[t])
-            want = np.asarray(exits.exit_logits(params, heads, s,
-                                                hidden[ec.exit_layers[s] - 1, 0, t], cfg))
+            want = np.asarray(exit_heads.exit_logits(params, heads, s,
+                                                     hidden[ec.exit_layers[s] - 1, 0, t], cfg))
             np.testing.assert_allclose(logits[t], want, rtol=1e-5, atol=1e-5)
-    logits, slot = map(np.asarray, reference_decode(cfg, params, ec, hv, tokens, exits.NEVER))
+    logits, slot = map(np.asarray, reference_decode(cfg, params, ec, hv, tokens, NEVER))
     assert (slot == -1).all()

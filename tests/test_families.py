@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.checkpoint import config_from_dict, config_to_dict
-from ee_jax.models.exits import NEVER, ExitConfig
+from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.models.hf import config_from_hf, load_hf
 from ee_jax.models.loading import load_model
 from ee_jax.serving.params import greedy
@@ -191,17 +191,17 @@ def test_exit_heads_use_the_family_norm_and_cap(tmp_root):
     _, folder = hf_folder("gemma2", tmp_root)
     cfg, params = load_hf(folder)
     ec = ExitConfig(exit_layers=(2,))
-    heads = exits.init_heads(cfg, ec, params)  # norm = the final norm: the final head
+    heads = exit_heads.init_heads(cfg, ec, params)  # norm = the final norm: the final head
     h = jax.random.normal(jax.random.PRNGKey(0), (3, cfg.d_model)) * 4.0
     full = llama.final_head(params, h, cfg)
-    np.testing.assert_allclose(exits.exit_logits(params, heads, 0, h, cfg), full, atol=1e-6)
+    np.testing.assert_allclose(exit_heads.exit_logits(params, heads, 0, h, cfg), full, atol=1e-6)
     assert np.abs(full).max() <= cfg.final_logit_softcap
     ids = jnp.asarray([5, 17, 90])
     hn = llama.norm(h, params["final_norm"], cfg)
     raw = np.asarray(hn @ params["embed"].T)  # tied head, before the cap
     assert np.abs(raw[:, ids] - np.asarray(full)[:, ids]).max() > 1e-2  # the cap bites
-    np.testing.assert_allclose(exits.unembed_rows(params, hn, ids, cfg), full[:, ids],
-                               atol=1e-6)
+    np.testing.assert_allclose(exit_heads.unembed_rows(params, hn, ids, cfg), full[:, ids],
+                                    atol=1e-6)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -383,8 +383,8 @@ def _ref_token(cfg, params, heads, kv, token, pos, threshold):
     x, (ks, vs) = llama.embed(params, token[None], cfg), kv
     for i in range(EXIT):
         x, (ks, vs) = layer(i, x, ks, vs)
-    exit_logits = exits.exit_logits(params, heads, 0, x[0], cfg)
-    conf = exits.confidence_from_logits(exit_logits, "max_prob")
+    exit_logits = exit_heads.exit_logits(params, heads, 0, x[0], cfg)
+    conf = exit_checks.confidence_from_logits(exit_logits, "max_prob")
     left = conf >= threshold
     filled, full = (ks, vs), (ks, vs)
     for j in range(EXIT, cfg.n_layers):

@@ -208,6 +208,6 @@ def test_trace_count_bounded():
 
     serve_waves("w")
     compiled = dict(engine.runner.traces)
-    assert all(n == 1 for n in compiled.values()), compiled
+    assert all(n <= 1 for n in compiled.values()), compiled
     serve_waves("again")  # the same arrivals again
     assert engine.runner.traces == compiled

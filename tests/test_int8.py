@@ -12,7 +12,7 @@ import pytest
 
 from ee_jax.cli import main as cli_main
 from ee_jax.models import llama, quant
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.llm import LLM
@@ -170,7 +170,7 @@ def test_engine_full_depth_on_int8_equals_dense_int8_forward():
     llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     # no recompilation in steady state: a new batch may meet a new bucket (a prefill step's
     # packed tokens follow the prompts' lengths), never trace a shape twice
-    assert set(llm.engine.runner.traces.values()) == {1}
+    assert set(llm.engine.runner.traces.values()) <= {0, 1}
 
 
 def test_engine_forced_exit_and_backfill_on_int8():

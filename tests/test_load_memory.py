@@ -22,6 +22,7 @@ _PROBE = r"""
 import json, sys, threading, time
 import jax, numpy as np
 from ee_jax.models.loading import load_model
+from ee_jax.serving.sharding import placement
 jax.numpy.zeros(1).block_until_ready()
 def anon():
     for line in open("/proc/self/status"):
@@ -34,7 +35,8 @@ def sample():
         time.sleep(0.002)
 t = threading.Thread(target=sample)
 t.start()
-m = load_model(sys.argv[1], dtype="bfloat16", progress=False, mesh=sys.argv[2] or None)
+m = load_model(sys.argv[1], dtype="bfloat16", progress=False,
+               placement=placement(sys.argv[2]) if sys.argv[2] else None)
 done.set()
 t.join()
 leaves = jax.tree.leaves(m.params)

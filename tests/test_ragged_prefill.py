@@ -28,8 +28,7 @@ NEW = 6
 
 def make_engine(**kw) -> LLMEngine:
     base = dict(max_num_seqs=8, max_model_len=160, page_size=4, num_pages=400,
-                max_prefill_chunk=128, max_num_batched_tokens=512, batch_buckets=(1, 2, 4, 8),
-                compilation_cache_dir=None)
+                max_prefill_chunk=128, max_num_batched_tokens=512, batch_buckets=(1, 2, 4, 8))
     base.update(kw)
     return LLMEngine(CFG, PARAMS, None, EngineConfig(**base))
 
@@ -110,7 +109,7 @@ def test_trace_count_bounded_over_many_prompt_lengths():
         outs = run_requests(engine, prompts, greedy(2))
         assert all(len(o.token_ids) == 2 for o in outs)
     traces = engine.runner.traces
-    assert set(traces.values()) == {1}
+    assert set(traces.values()) <= {0, 1}  # 0: an earlier engine's program had it
     assert set(traces) <= set(engine.scheduler.config.step_shapes())
     prefill = [s for s in traces if s.kind == "prefill"]
     assert len(prefill) <= 20, prefill  # buckets, not one program per length

@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ee_jax.models.exits import NEVER, ExitConfig
+from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.random_model import random_model
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
@@ -398,6 +398,9 @@ def test_metrics_count_what_was_served(served):
     assert delta("eejax_rejected_requests_total{status=400}") == 1
     assert after["eejax_kv_pages_used"] == 0 and after["eejax_model_layers"] == 4
     assert after["eejax_exit_layer_bucket{le=3.0}"] == before.get("eejax_exit_layer_bucket{le=3.0}")
+    # the exit summary's figures (the CLI's too): full depth sets no ceiling above 1 and
+    # computes every layer of every row
+    assert after["eejax_ideal_speedup"] == 1.0 and after["eejax_work_fraction"] == 1.0
     assert streamed[-1].choices[0].finish_reason is not None
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ee_jax.models import llama, quant
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving import sharding
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from ee_jax.models import exits
+from ee_jax.models import exit_heads
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.serving.sharding import MeshError, MeshSpec, logical_rules
@@ -24,8 +25,8 @@ NEW = 8
 MESHES = [None, "tp=4", "tp=2,dp=2", "tp=8", "dp=8"]
 POLICIES = {
     "full": None,
-    "all": exits.ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
-    "per_row": exits.ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
+    "all": ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
+    "per_row": ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
 }
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
@@ -90,7 +91,7 @@ def test_sharded_step_never_gathers_the_cache(mesh):
 
     engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
-        mesh=mesh, compilation_cache_dir=None))
+        mesh=mesh))
     r = engine.runner
     shape = StepShape(4, 1, 16, kind="decode")
     with jax.set_mesh(engine.mesh):
@@ -106,8 +107,8 @@ def test_sharded_step_never_gathers_the_cache(mesh):
 def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
     from ee_jax.serving.sharding import param_shardings
 
-    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=rank)
-    heads = exits.init_heads(CFG, ec, PARAMS)
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=rank)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
     mesh = MeshSpec.parse("tp=4").make_mesh()
     sh = param_shardings(heads, CFG, mesh)
     assert tuple(sh["mlp"]["down"].spec) == (None, None, "tp" if split else None)
@@ -139,3 +140,22 @@ def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path)
         runs[mesh] = [o.token_ids for o in run_requests(engine, prompts, greedy(NEW))]
         assert quant.has_blocks(engine.runner.params) == (mesh is None)
     assert runs["tp=2"] == runs[None] == [dense_greedy(cfg, dense, p, NEW) for p in prompts]
+
+
+def test_a_mesh_built_by_the_caller_is_the_one_used_and_checked():
+    """`LLM` builds the mesh once for the loader's placement and the engine: the engine then
+    uses that very mesh, refuses one whose axes differ from `EngineConfig.mesh`, and one given
+    without `EngineConfig.mesh`."""
+    from ee_jax.serving.sharding import placement
+
+    mesh = MeshSpec.parse("tp=2,dp=2").make_mesh()
+    config = EngineConfig(max_model_len=64, page_size=4, num_pages=40, mesh="tp=2,dp=2")
+    assert LLMEngine(CFG, PARAMS, None, config, mesh=mesh).mesh is mesh
+    where = placement("tp=2,dp=2", mesh)(CFG)
+    assert where(("layers", "wq"), 3).mesh is mesh
+    with pytest.raises(MeshError, match="not the tp=4,dp=1"):
+        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40,
+                                                  mesh="tp=4"), mesh=mesh)
+    with pytest.raises(MeshError, match=r"EngineConfig\.mesh is None"):
+        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40),
+                  mesh=mesh)

@@ -3,8 +3,10 @@ preset): they load, fit the model, are served by default, and really exit early 
 
 import pytest
 
-from ee_jax.models import exits, registry
+from ee_jax.models import exit_heads, registry
 from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.exit_config import SERVING_POLICY
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
 
@@ -20,7 +22,7 @@ def shipped(smollm2):
 
 def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     ec, heads = shipped
-    exits.check_heads(smollm2.config, ec, heads)
+    exit_heads.check_heads(smollm2.config, ec, heads)
     assert not ec.needs_vocab  # deciding to exit needs no full vocabulary projection
     path = registry.shipped_exit_heads("smollm2-135m-instruct")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -28,10 +30,10 @@ def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     if (path / "calibration.json").is_file():  # the threshold is the one the table certifies
         import json
 
-        from ee_jax.training import calibrate
+        from ee_jax.models import exit_threshold
 
         cal = json.loads((path / "calibration.json").read_text())
-        assert ec.threshold == calibrate.threshold_from_json(cal, ec.target_agreement)
+        assert ec.threshold == exit_threshold.threshold_from_json(cal, ec.target_agreement)
 
 
 def test_default_model_exits_early_on_humaneval(shipped, smollm2):
@@ -41,10 +43,12 @@ def test_default_model_exits_early_on_humaneval(shipped, smollm2):
 
     ec, _ = shipped
     loaded = dataclasses.replace(smollm2, name="smollm2-135m-instruct")
-    # batch 1: under the default batch-wide policy a step leaves only when every row is
-    # confident, and the calibrated threshold is about one token's exit
-    llm = LLM(loaded, max_num_seqs=1, max_model_len=512, progress=False)
-    assert llm.engine.exit_config == ec  # served by default, at the shipped threshold
+    # batch 1 (per_row and all are the same there); the exit program always, so the exits
+    # are the heads' (the default controller may run full depth where checks do not pay)
+    llm = LLM(loaded, max_num_seqs=1, max_model_len=512, progress=False,
+              exit_control=ControllerConfig(mode="exits"))
+    # served by default at the shipped threshold, under the one serving policy
+    assert llm.engine.exit_config == dataclasses.replace(ec, policy=SERVING_POLICY)
     prompts = [p["prompt"] for p in list(read_problems().values())[:4]]
     outs = llm.generate(prompts, greedy(24), use_tqdm=False)
     layers = [e for o in outs for e in o.exit_layers[1:]]  # [0] comes from the prefill

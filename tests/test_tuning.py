@@ -4,19 +4,23 @@ and the data splits keep evaluation text out of training."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exits
+from ee_jax.models import exit_heads
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import tiny_model
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
-from ee_jax.training.tune import TuneConfig, TuneConfigError, tune
+from ee_jax.training.tune import tune
+from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
 CFG, PARAMS = tiny_model(seed=4)
 MODEL = LoadedModel(CFG, PARAMS, None, "tiny")
@@ -38,7 +42,7 @@ def test_tuning_lowers_the_loss_and_leaves_the_backbone_bit_identical(tmp_path):
     ec = tc.exit_config()
     loss_fn = jax.jit(lambda h: exit_losses(h, PARAMS, jnp.asarray(ROWS), CFG, ec,
                                             tc.loss_weights())[0])
-    initial = float(loss_fn(exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))))
+    initial = float(loss_fn(exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))))
     res = tune(tc, model=MODEL, train=ROWS, held_out=ROWS[:2], progress=False, save=False)
     assert res.steps == 8
     assert float(loss_fn(res.heads)) < initial - 1e-3
@@ -50,14 +54,14 @@ def test_tuning_lowers_the_loss_and_leaves_the_backbone_bit_identical(tmp_path):
 def test_agreement_metric_is_top1_of_exit_head_vs_final_layer():
     from ee_jax.models import llama
 
-    ec = exits.ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
-    heads = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
+    ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
     heads["mlp"]["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads["mlp"]["up"].shape)
     tokens = jnp.asarray(ROWS[:2])
     _, m = exit_losses(heads, PARAMS, tokens, CFG, ec, LossWeights())
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
     for slot, e in enumerate(ec.exit_layers):
-        logits = exits.exit_logits(PARAMS, heads, slot, hidden[e - 1], CFG)
+        logits = exit_heads.exit_logits(PARAMS, heads, slot, hidden[e - 1], CFG)
         want = np.mean(np.argmax(logits, -1) == np.argmax(final, -1))
         assert float(m["agree"][slot]) == pytest.approx(want)
 
@@ -78,11 +82,11 @@ def test_interrupted_run_resumes_to_the_same_heads(tmp_path):
 
 
 def test_heads_for_other_exit_layers_or_model_are_refused(tmp_path):
-    ec = exits.ExitConfig(exit_layers=(1, 2), head="mlp", measure="classifier", adapter_rank=4)
-    save_exit_heads(tmp_path / "h", CFG, ec, exits.init_heads(CFG, ec, PARAMS))
-    with pytest.raises(exits.ExitConfigError, match=r"trained for exit layers \[1, 2\]"):
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", measure="classifier", adapter_rank=4)
+    save_exit_heads(tmp_path / "h", CFG, ec, exit_heads.init_heads(CFG, ec, PARAMS))
+    with pytest.raises(ExitConfigError, match=r"trained for exit layers \[1, 2\]"):
         load_exit_heads(tmp_path / "h", CFG, exit_layers=(1, 3))
-    with pytest.raises(exits.ExitConfigError, match="made for a model"):
+    with pytest.raises(ExitConfigError, match="made for a model"):
         load_exit_heads(tmp_path / "h", CFG.replace(n_layers=6))
 
 
@@ -108,7 +112,7 @@ def test_everyday_training_requests_change_the_data_key_only_when_asked_for():
     assert len(data.everyday_requests("train", 40)) == 40
 
 
-@pytest.mark.parametrize("backfill", ["propagate", "deferred"])
+@pytest.mark.parametrize("backfill", ["propagate", "deferred", "learned"])
 def test_tune_config_backfill_reaches_the_exit_config(backfill):
     # the heads are calibrated for one back-fill; the exit_config.json they ship with says it
     ec = TuneConfig(exit_layers=(1, 2), backfill=backfill).exit_config()
@@ -161,8 +165,8 @@ def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
     from ee_jax.training.cached import batch_vocab
     from ee_jax.training.losses import restricted_exit_losses
 
-    ec = exits.ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
-    heads = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
+    ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
     heads["mlp"]["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads["mlp"]["up"].shape)
     tokens = jnp.asarray(ROWS[:2])
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
@@ -176,7 +180,7 @@ def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
     _, m = restricted_exit_losses(heads, PARAMS, hs, fin, jnp.asarray(ids), jnp.asarray(valid),
                                   jnp.asarray(pos), CFG, ec, LossWeights())
     for slot, e in enumerate(ec.exit_layers):  # numpy KL over the whole vocabulary
-        lq = np.asarray(jax.nn.log_softmax(exits.exit_logits(PARAMS, heads, slot,
+        lq = np.asarray(jax.nn.log_softmax(exit_heads.exit_logits(PARAMS, heads, slot,
                                                               hidden[e - 1], CFG)), np.float64)
         lp = np.asarray(jax.nn.log_softmax(final), np.float64)
         kl = (np.exp(lp) * (lp - lq)).sum(-1).mean()
@@ -197,7 +201,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     before = jax.tree.map(np.array, PARAMS)
     tc = tiny_tune_config(tmp_path, method="cached", measure="candidates", vocab_subset=64,
                           candidates=4, kl_vocab=96, teacher_topk=4, epochs=3,
-                          decision_steps=20, target_agreement=0.5)
+                          decision_steps=20, target_agreement=0.5, backfill_rank=4)
     calib = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 24)).astype(np.int32)
     res = tune(tc, model=MODEL, train=ROWS, held_out=ROWS[:2], calib=calib, progress=False)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(PARAMS), strict=True):
@@ -211,13 +215,17 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     loss = jax.jit(lambda h: restricted_exit_losses(
         h, PARAMS, jnp.asarray(np.moveaxis(cache["hs"], 1, 0)), fin, jnp.arange(V),
         jnp.ones(V, bool), jnp.asarray(ROWS[:, 1:]), CFG, ec, tc.loss_weights())[0])
-    start = exits.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))
+    start = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))
     assert float(loss(res.heads)) < float(loss(start)) - 1e-3
     # saved: subset of the most frequent ids, decision MLPs, calibrated threshold
     ec2, heads = load_exit_heads(tc.output, CFG)
     assert ec2.measure == "candidates" and heads["vocab"].shape == (64,)
     assert ec2.threshold == res.exit_config.threshold
-    assert ec2.threshold == exits.NEVER or 0.0 < ec2.threshold < 1.0
+    assert ec2.threshold == NEVER or 0.0 < ec2.threshold < 1.0
     assert ec2.backfill == tc.backfill
+    # learned back-fill maps fitted and shipped beside the heads, recorded in exit_config.json
+    assert heads["backfill"]["a"].shape[-1] == tc.backfill_rank
+    record = json.loads((Path(tc.output) / "exit_config.json").read_text())["backfill_maps"]
+    assert record["rank"] == tc.backfill_rank and record["fit_tokens"] > 0
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
-    assert ec3.threshold == exits.NEVER  # agreement 1 cannot be certified with errors allowed
+    assert ec3.threshold == NEVER  # agreement 1 cannot be certified with errors allowed

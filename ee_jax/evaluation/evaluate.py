@@ -20,15 +20,16 @@ from ee_jax.evaluation.nll import FullModelNLL
 from ee_jax.evaluation.report import EvalReport, write_report
 from ee_jax.evaluation.simulate import simulate_exits
 from ee_jax.evaluation.sweep import run_sweep
-from ee_jax.models import exits
-from ee_jax.models.exits import ExitConfig
-from ee_jax.models.loading import LoadedModel
+from ee_jax.models import exit_heads, registry
+from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.exit_config import POLICIES, ExitConfig, every
+from ee_jax.models.loading import LoadedModel, load_model
 
 WORKLOADS = ("humaneval", "instructions")
 
 
 def default_policies() -> tuple[str, ...]:
-    return tuple(p for p in ("all", "quorum", "per_row") if p in exits.POLICIES)
+    return tuple(p for p in ("all", "quorum", "per_row") if p in POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +62,6 @@ def log(msg: str) -> None:
 
 def shipped_heads(model: LoadedModel) -> tuple[str, ExitConfig, object] | None:
     """The heads shipped for a registry model: (description, ExitConfig, heads), or None."""
-    from ee_jax.models import registry
-
     shipped = model.shipped_exit_heads()
     if shipped is None:
         return None
@@ -82,26 +81,22 @@ def evaluate(opts: EvalOptions, *, model: LoadedModel | None = None,
     their own.
     """
     if model is None:
-        from ee_jax.models.loading import load_model
-
         model = load_model(opts.model, dtype=opts.dtype, progress=opts.progress)
     cfg, params, tok = model.config, model.params, model.tokenizer
     if heads is None and opts.exit_heads:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-
         heads = (str(opts.exit_heads), *load_exit_heads(opts.exit_heads, cfg))
     if heads is None:
         heads = shipped_heads(model)
     notes = []
     has_tuned = heads is not None
     if not has_tuned:
-        ec = ExitConfig(exit_layers=exits.every(cfg.n_layers, max(1, cfg.n_layers // 8)))
-        heads = ("none (untrained heads)", ec, exits.init_heads(cfg, ec, params))
+        ec = ExitConfig(exit_layers=every(cfg.n_layers, max(1, cfg.n_layers // 8)))
+        heads = ("none (untrained heads)", ec, exit_heads.init_heads(cfg, ec, params))
         notes.append("No tuned heads given or shipped: the end-to-end rows use untrained "
                      "heads, and there are no tuned columns.")
         log(notes[-1])
     desc, ec, tuned = heads
-    exits.check_heads(cfg, ec, tuned)
+    exit_heads.check_heads(cfg, ec, tuned)
     report = EvalReport(command=opts.command, date=time.strftime("%Y-%m-%d %H:%M"),
                         model=f"{opts.model} ({model.source})", heads=desc, exit_config=ec,
                         n_layers=cfg.n_layers, notes=notes)
@@ -132,7 +127,7 @@ def evaluate(opts: EvalOptions, *, model: LoadedModel | None = None,
             corpora = _default_corpora(opts, tok)
         untrained_ec = ExitConfig(exit_layers=ec.exit_layers, head="norm", measure="max_prob",
                                   min_exit_layer=ec.min_exit_layer)
-        variants = {"untrained": (untrained_ec, exits.init_heads(cfg, untrained_ec, params))}
+        variants = {"untrained": (untrained_ec, exit_heads.init_heads(cfg, untrained_ec, params))}
         if has_tuned:
             variants["tuned"] = (ec, tuned)
         for name, seqs in corpora.items():

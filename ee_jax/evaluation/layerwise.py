@@ -27,9 +27,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.evaluation.calibration import Reliability, reliability
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exit_config import ExitConfig, ExitConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +95,9 @@ def scored_masks(sequences: Sequence[Sequence[int]], score_from: Sequence[int] |
 def _slot_confidence(params, heads, slot, h, state, cfg: ModelConfig, ec: ExitConfig):
     """(confidence, top-1, next check state) of exit `slot` for h [B, T, D], as the decode
     step computes it (the state chained over exits in order)."""
-    conf, logits, state = exits.check_confidence(params, heads, slot, h, state, cfg, ec)
+    conf, logits, state = exit_checks.check_confidence(params, heads, slot, h, state, cfg, ec)
     if logits is None:
-        logits = exits.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
+        logits = exit_heads.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
     top = jnp.argmax(logits, axis=-1)
     return conf, top, state
 
@@ -118,7 +118,7 @@ def _dense_pass(params, heads_list, tokens, cfg: ModelConfig, configs: tuple[Exi
             conf, top, state = _slot_confidence(params, heads, slot, h, state, cfg, ec)
             return state, (conf.astype(jnp.float32), top == final_top)
 
-        state0 = exits.init_check_state(emb.astype(hs.dtype), ec)
+        state0 = exit_checks.init_check_state(emb.astype(hs.dtype), ec)
         out.append(jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs))[1])
     return out
 
@@ -136,8 +136,8 @@ def exit_predictions(cfg: ModelConfig, params, sequences: Sequence[Sequence[int]
     for ec, heads in variants.values():
         ec.validate_for(cfg)
         if not ec.exit_layers:
-            raise exits.ExitConfigError("exit_predictions needs at least one exit layer")
-        exits.check_heads(cfg, ec, heads)
+            raise ExitConfigError("exit_predictions needs at least one exit layer")
+        exit_heads.check_heads(cfg, ec, heads)
     heads_list = [variants[n][1] for n in names]
     wins = windows(sequences, seq_len)
     scored = windows(scored_masks(sequences, score_from), seq_len)

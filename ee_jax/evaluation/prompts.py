@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ee_jax.training.data import instructions, stdlib_documents
+
 
 def humaneval_problems(limit: int | None = None) -> list[dict]:
     """The HumanEval problems in the dataset's order (164 of them)."""
@@ -24,8 +26,6 @@ def humaneval_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
 
 
 def held_out_instructions(limit: int | None = None) -> list[str]:
-    from ee_jax.training.data import instructions
-
     return instructions("eval", limit=limit)
 
 
@@ -83,8 +83,6 @@ def humaneval_text(tokenizer, limit: int | None = None) -> list[list[int]]:
 
 def stdlib_text(tokenizer, max_tokens: int) -> list[list[int]]:
     """Held-out ("eval" split) standard-library sources, about `max_tokens` tokens."""
-    from ee_jax.training.data import stdlib_documents
-
     out, n = [], 0
     for doc in stdlib_documents("eval"):
         ids = list(tokenizer.encode(doc))

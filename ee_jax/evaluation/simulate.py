@@ -33,7 +33,8 @@ class SimulatedExits:
 def simulate_exits(pred: ExitPredictions, thresholds: Iterable[float],
                    min_exit_layer: int | None = None, cost=None) -> list[SimulatedExits]:
     """One SimulatedExits per threshold. min_exit_layer defaults to the ExitConfig's.
-    cost: an `exits.CostModel` (`exits.cost_model(cfg, ec)`) for the ideal with head costs."""
+    cost: an `exit_cost.CostModel` (`exit_cost.cost_model(cfg, ec)`) for the ideal with head
+    costs."""
     L = pred.n_layers
     layers = np.asarray(pred.exit_layers)
     lo = pred.exit_config.min_exit_layer if min_exit_layer is None else min_exit_layer

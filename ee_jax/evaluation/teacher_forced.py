@@ -9,7 +9,7 @@ Workloads: held-out instructions ("eval" split), HumanEval prompts (code complet
 full depth (greedy, cached as JSON lines); then every answer position is scored as served:
 the exit taken by the decision rule at a threshold, its token against full depth's (TF
 agreement), its executed layers, and the ideal speed-up (L + head) / (layers + checks + head)
-from `exits.cost_model`. Prompt positions do not count (they are not served tokens).
+from `exit_cost.cost_model`. Prompt positions do not count (they are not served tokens).
 
 What it does not see: a served token that left at layer e leaves back-filled keys and values in
 layers e+1..L (`docs/architecture.md`, "holes in the KV cache"), and the tokens after it attend
@@ -32,7 +32,10 @@ import numpy as np
 from ee_jax.evaluation import prompts as P
 from ee_jax.evaluation.layerwise import ExitPredictions, exit_predictions
 from ee_jax.evaluation.simulate import simulate_exits
-from ee_jax.models import exits
+from ee_jax.models import exit_cost
+from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.loading import load_model
+from ee_jax.training.selfgen import self_generate
 
 SKETCH = {21: 0.67, 24: 0.79, 27: 0.84}  # per-exit agreement of the planning sketch
 
@@ -51,8 +54,6 @@ def workload_items(n_instructions: int, n_humaneval: int) -> dict[str, list[tupl
 def answers(model, items: list[tuple[str, str]], cache: Path, max_tokens: int
             ) -> tuple[list[list[int]], list[int]]:
     """(prompt + full-depth answer ids, index of the first position predicting the answer)."""
-    from ee_jax.training.selfgen import self_generate
-
     seqs = self_generate(model, items, max_tokens=max_tokens, batch=48, cache=cache)
     tok = model.tokenizer
     starts = []
@@ -95,7 +96,7 @@ def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
                                         zip(seqs, starts, strict=True)])
         for vname, pred in preds.items():
             ec, heads = variants[vname]
-            cost = exits.cost_model(cfg, ec)
+            cost = exit_cost.cost_model(cfg, ec)
             sims = simulate_exits(pred, thresholds[vname], cost=cost)
             oracle = oracle_counts(pred)
             v: dict = {
@@ -133,7 +134,7 @@ def resimulate(res: dict, dump: Path, variants: dict, thresholds: dict, cfg) -> 
             ec = variants[vname]
             pred = ExitPredictions(ec, cfg.n_layers, z[f"{vname}_confidence"],
                                    z[f"{vname}_agree"])
-            sims = simulate_exits(pred, thresholds[vname], cost=exits.cost_model(cfg, ec))
+            sims = simulate_exits(pred, thresholds[vname], cost=exit_cost.cost_model(cfg, ec))
             v["simulated"] = [dataclasses.asdict(s) for s in sims]
             for s in sims:
                 _log(f"  {wname} {vname} @ {s.threshold}: TF {s.agreement:.3f}, layers "
@@ -147,7 +148,7 @@ def to_markdown(res: dict) -> str:
                  [res["note"], ""] if res.get("note") else []),
              "TF agreement: share of answer tokens whose exit token equals full depth's, "
              "context always the full-depth answer. Ideal with head: (L + final head) / "
-             "(layers + checks + exit head), in layer-equivalents (`exits.cost_model`).", ""]
+             "(layers + checks + exit head), in layer-equivalents (`exit_cost.cost_model`).", ""]
     for wname, w in res["workloads"].items():
         lines += [f"## {wname} ({w['prompts']} prompts, {w['scored_tokens']} answer tokens)",
                   "", "| heads | threshold | TF agreement | mean layers | ideal L/layers | "
@@ -204,9 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     command = "python -m ee_jax.evaluation.teacher_forced " + " ".join(argv or sys.argv[1:])
     if a.resimulate:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-        from ee_jax.models.loading import load_model
-
         old = json.loads(Path(a.resimulate).read_text())
         cfg = load_model(a.model, dtype="float32", progress=False).config
         ec, _ = load_exit_heads(a.heads, cfg)
@@ -218,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"({old['date']}; the same heads, so the same confidences): only the "
                         f"thresholds are new. The baseline rows are that run's.")
         return _write(Path(a.out), res)
-    from ee_jax.models.exit_checkpoint import load_exit_heads
-    from ee_jax.models.loading import load_model
 
     model = load_model(a.model, dtype="float32", progress=False)
     ec, heads = load_exit_heads(a.heads, model.config)

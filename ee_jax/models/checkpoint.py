@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ee_jax.errors import ModelLoadError
+from ee_jax.models import quant
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
@@ -97,7 +98,6 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Params,
     """
     import orbax.checkpoint as ocp
 
-    from ee_jax.models import quant
 
     path = Path(path).absolute()
     check_params(cfg, params, source="params to save")

@@ -4,7 +4,7 @@
     <folder>/heads/             orbax StandardCheckpointer item
     <folder>/calibration.json   (optional) errors per threshold on a held-apart split, so a
                                 threshold can be picked for any target agreement at load
-                                (`ee_jax.training.calibrate`)
+                                (`ee_jax.models.exit_threshold`)
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import jax
 import numpy as np
 
 from ee_jax.errors import ModelLoadError
-from ee_jax.models import exits
+from ee_jax.models import backfill_maps, exit_heads
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+from ee_jax.models.exit_threshold import check_target, threshold_from_json
 
 CONFIG = "exit_config.json"
 CALIBRATION = "calibration.json"
@@ -29,12 +31,16 @@ def _model_id(cfg: ModelConfig) -> dict:
     return {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size}
 
 
-def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
-                    overwrite: bool = True, calibration: dict | None = None) -> Path:
+def save_exit_heads(path, cfg: ModelConfig, ec: ExitConfig, heads, *,
+                    overwrite: bool = True, calibration: dict | None = None,
+                    maps_info: dict | None = None) -> Path:
+    """Write heads (and, under heads["backfill"], learned back-fill maps with `maps_info`:
+    how they were fitted) and the ExitConfig to folder `path`."""
     import orbax.checkpoint as ocp
 
-    heads = exits.without_derived(heads)  # LM-head rows held for serving are not saved
-    exits.check_heads(cfg, ec, heads)
+    maps = heads.get(exit_heads.BACKFILL_MAPS) if isinstance(heads, dict) else None
+    exit_heads.check_heads(cfg, ec, heads)
+    heads = exit_heads.without_derived(heads)  # LM-head rows held for serving are not saved
     path = Path(path).absolute()
     if path.exists():
         if not overwrite:
@@ -45,6 +51,10 @@ def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
         ckptr.save(path / "heads", heads)
         ckptr.wait_until_finished()
     meta = {"exit_config": dataclasses.asdict(ec), "model": _model_id(cfg)}
+    if maps is not None:  # learned back-fill maps: their own file, recorded here
+        backfill_maps.save_maps(path, cfg, ec.exit_layers, maps, info=maps_info)
+        meta["backfill_maps"] = {"file": backfill_maps.FILE,
+                                 "rank": backfill_maps.rank_of(maps), **(maps_info or {})}
     (path / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     if calibration is not None:
         (path / CALIBRATION).write_text(json.dumps(calibration, indent=1) + "\n")
@@ -52,7 +62,7 @@ def save_exit_heads(path, cfg: ModelConfig, ec: exits.ExitConfig, heads, *,
 
 
 def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None = None,
-                    target_agreement: float | None = None) -> tuple[exits.ExitConfig, dict]:
+                    target_agreement: float | None = None) -> tuple[ExitConfig, dict]:
     """Restore heads for `cfg`; fails clearly if they were made for another model, or for
     other exit layers than `exit_layers` (when the caller asks for specific ones). With
     `target_agreement`, the threshold is re-picked from the shipped calibration table."""
@@ -64,33 +74,33 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
                              f"ee_jax.models.exit_checkpoint.save_exit_heads")
     meta = json.loads((path / CONFIG).read_text())
     if meta["model"] != _model_id(cfg):
-        raise exits.ExitConfigError(
+        raise ExitConfigError(
             f"exit heads in {path} were made for a model with {meta['model']}, not "
             f"{_model_id(cfg)}")
     d = meta["exit_config"]
     d["exit_layers"] = tuple(d["exit_layers"])
     if exit_layers is not None and tuple(exit_layers) != d["exit_layers"]:
-        raise exits.ExitConfigError(
+        raise ExitConfigError(
             f"exit heads in {path} were trained for exit layers {list(d['exit_layers'])}, not "
             f"{list(exit_layers)}: use those exit layers, or tune heads for yours "
             f"(ee-jax tune)")
-    ec = exits.ExitConfig(**d)
+    ec = ExitConfig(**d)
     ec.validate_for(cfg)
     if target_agreement is not None:
-        from ee_jax.training import calibrate
-
-        calibrate.check_target(target_agreement)
+        check_target(target_agreement)
         if not (path / CALIBRATION).is_file():
-            raise exits.ExitConfigError(
+            raise ExitConfigError(
                 f"exit heads in {path} have no {CALIBRATION}: they cannot pick a threshold "
                 f"for target agreement {target_agreement}; set a threshold instead")
         cal = json.loads((path / CALIBRATION).read_text())
-        thr = calibrate.threshold_from_json(cal, target_agreement)
+        thr = threshold_from_json(cal, target_agreement)
         ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
-    target = exits.head_shapes(cfg, ec)
+    target = exit_heads.head_shapes(cfg, ec)
     with ocp.StandardCheckpointer() as ckptr:
         heads = ckptr.restore(path / "heads", target)
-    exits.check_heads(cfg, ec, heads)
+    if (path / backfill_maps.FILE).is_file():  # fitted maps ship beside the heads
+        heads[exit_heads.BACKFILL_MAPS] = backfill_maps.load_maps(path, cfg, ec.exit_layers)[0]
+    exit_heads.check_heads(cfg, ec, heads)
     if "vocab" in heads:
-        exits.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
+        exit_heads.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
     return ec, jax.tree.map(lambda a: a, heads)

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
+from ee_jax.models.quant import QUANTIZED_KEYS, BlockQ
 
 # GGUF per-layer tensor name -> our key under params["layers"].
 LAYER_TENSORS = {
@@ -242,7 +243,6 @@ def block_quantize(w: np.ndarray, kind: str = "Q4_1"):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from ee_jax.models.quant import BlockQ
 
     if kind not in BLOCK_TYPES:
         raise ValueError(f"{kind} is not one of the block types {BLOCK_TYPES}")
@@ -473,7 +473,6 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
     expected = _expected_np_shapes(cfg, tensors)
     L = cfg.n_layers
 
-    from ee_jax.models.quant import QUANTIZED_KEYS, BlockQ
 
     types: dict[str, set[str]] = {}
     for t in reader.tensors:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.hf import Placer
 from ee_jax.models.tokenizer import Tokenizer
 
 
@@ -23,38 +26,36 @@ class LoadedModel:
 
     def shipped_exit_heads(self):
         """(ExitConfig, heads) shipped for this model, or None (see registry)."""
-        from ee_jax.models.exit_checkpoint import load_exit_heads
-
         path = registry.shipped_exit_heads(self.name) if self.name else None
         return None if path is None else load_exit_heads(path, self.config)
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
                quantize: str | None = None, progress: bool = True,
-               mesh: str | None = None, blocks: bool = True) -> LoadedModel:
+               placement: Callable[[ModelConfig], Placer] | None = None,
+               blocks: bool = True) -> LoadedModel:
     """A registry name (`smollm2-135m-instruct`), a .gguf file, a Hugging Face folder
     (config.json + safetensors) or an ee-jax orbax checkpoint folder.
 
     quantize="int8": the layer weights become int8 with per-output-channel scales once
     loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`.
-    mesh="tp=4,dp=2": a Hugging Face folder's weights go straight to their shards as they
-    are read (other formats are sharded by the engine after loading).
+    placement: cfg -> where each parameter leaf goes (`ee_jax.serving.sharding.placement`,
+    built by the caller from its mesh): a Hugging Face folder's weights go straight to their
+    shards as they are read (other formats, and int8 `quantize`, are sharded by the engine
+    after loading).
     blocks (GGUF, the default): layer weights stored as Q4_0/Q4_1/Q8_0 stay in the file's
     blocks (`quant.BlockQ`): bit-identical weights at a quarter of the f32 bytes, dequantized
     inside each step, so decoding reads less memory. blocks=False, an int8 `quantize` or a
-    mesh: every weight dequantized to `dtype` on the host."""
+    placement: every weight dequantized to `dtype` on the host."""
     quant.check_quantize(quantize)  # before minutes of loading
     t0 = time.perf_counter()
     kind, path = registry.resolve_model(name_or_path)
     if progress:
         print(f"[ee-jax] loading {name_or_path} ({kind}: {path})", file=sys.stderr)
-    placement = None
-    if mesh and not quantize:
-        from ee_jax.serving.sharding import placement as shard_placement
-
-        placement = shard_placement(mesh)
-    cfg, params = registry.load_params(name_or_path, dtype=dtype, placement=placement,
-                                       blocks=blocks and not quantize and not mesh)
+    sharded = placement is not None
+    cfg, params = registry.load_params(name_or_path, dtype=dtype,
+                                       placement=None if quantize else placement,
+                                       blocks=blocks and not quantize and not sharded)
     params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
     tokenizer = None
     if kind == "gguf":

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 from ee_jax.errors import ModelLoadError
+from ee_jax.models.checkpoint import is_checkpoint, restore_checkpoint
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.llama import Params
+from ee_jax.models.gguf import load_gguf
+from ee_jax.models.hf import load_hf
+from ee_jax.models.llama import Params, cast_params
 
 Kind = Literal["gguf", "hf", "checkpoint"]
 
@@ -80,8 +83,6 @@ def shipped_exit_heads(name: str) -> Path | None:
 def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:
     """(kind, path) for a registry name, a .gguf file, a Hugging Face folder or an ee-jax
     checkpoint folder."""
-    from ee_jax.models.checkpoint import is_checkpoint
-
     key = str(name_or_path)
     if key in MODELS:
         spec = MODELS[key]
@@ -116,15 +117,9 @@ def load_params(name_or_path: str | os.PathLike, dtype: str = "float32",
     """
     kind, path = resolve_model(name_or_path)
     if kind == "gguf":
-        from ee_jax.models.gguf import load_gguf
-
         return load_gguf(path, dtype=dtype, blocks=blocks)
     if kind == "hf":
-        from ee_jax.models.hf import load_hf
-
         return load_hf(path, dtype=dtype, placement=placement)
-    from ee_jax.models.checkpoint import restore_checkpoint
-    from ee_jax.models.llama import cast_params
 
     cfg, params, _ = restore_checkpoint(path)
     if cfg.dtype != dtype:

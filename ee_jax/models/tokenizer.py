@@ -65,9 +65,24 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from ee_jax.errors import EEJaxError, ModelLoadError, UnsupportedModelError
+from ee_jax.errors import EEJaxError, ModelLoadError, TokenizationError, UnsupportedModelError
 
 Compat = Literal["transformers", "llama.cpp"]
+
+
+def check_text(text, what: str = "text") -> str:
+    """`text` if the tokenizer can encode it, else TokenizationError naming why. The Rust
+    backend answers a lone surrogate (e.g. "\\ud800") with a bare TypeError."""
+    if not isinstance(text, str):
+        raise TokenizationError(f"the {what} is a {type(text).__name__}, not a str: pass text "
+                                f"(or token ids where the API takes them)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizationError(
+            f"the {what} is not valid Unicode: {text[e.start]!r} at character {e.start} "
+            f"({e.reason}); send well-formed text (no lone surrogates)") from None
+    return text
 
 
 class ChatTemplateError(EEJaxError, ValueError):
@@ -235,11 +250,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS (and EOS) only if the model adds them and
         `add_special_tokens`. Special tokens written in the text are always matched whole."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(check_text(text), add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str],
                      add_special_tokens: bool = True) -> list[list[int]]:
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        texts = [check_text(t, f"text {i}") for i, t in enumerate(texts)]
+        encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

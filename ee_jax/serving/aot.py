@@ -33,8 +33,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import exit_checkpoint, exits, gguf, llama, registry
+from ee_jax.models import exit_checkpoint, exit_heads, gguf, llama, registry
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving import attention_kernels
 from ee_jax.serving.engine import EngineConfig, num_pages_for
 from ee_jax.serving.kv_cache import KVCache, bytes_per_page, cache_shape, storage_dtype
@@ -192,8 +193,8 @@ def shape_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
     return dataclasses.replace(MODEL_SHAPES[key], dtype=dtype)
 
 
-def scaled_exit_config(ec: exits.ExitConfig, n_layers: int, from_layers: int
-                       ) -> exits.ExitConfig:
+def scaled_exit_config(ec: ExitConfig, n_layers: int, from_layers: int
+                       ) -> ExitConfig:
     """`ec`'s exits moved to a model of `n_layers` at the same fractions of depth (planning
     a model with no heads of its own the way the shipped ones are laid out)."""
     layers = sorted({max(1, min(n_layers - 1, round(e * n_layers / from_layers)))
@@ -201,16 +202,16 @@ def scaled_exit_config(ec: exits.ExitConfig, n_layers: int, from_layers: int
     return dataclasses.replace(ec, exit_layers=tuple(layers))
 
 
-def shipped_exit_config(name: str = "smollm2-135m-instruct") -> exits.ExitConfig | None:
+def shipped_exit_config(name: str = "smollm2-135m-instruct") -> ExitConfig | None:
     """The exit config of the heads shipped for registry model `name` (no heads loaded)."""
     path = registry.shipped_exit_heads(name)
     if path is None:
         return None
     d = json.loads((path / exit_checkpoint.CONFIG).read_text())["exit_config"]
-    return exits.ExitConfig(**{**d, "exit_layers": tuple(d["exit_layers"])})
+    return ExitConfig(**{**d, "exit_layers": tuple(d["exit_layers"])})
 
 
-def plan_model(name: str, dtype: str = "bfloat16") -> tuple[ModelConfig, exits.ExitConfig | None]:
+def plan_model(name: str, dtype: str = "bfloat16") -> tuple[ModelConfig, ExitConfig | None]:
     """(config, exit config) to plan for, without weights: "random:<shape>" (a named shape,
     with the shipped SmolLM2 heads' exits at the same fractions of depth), a registry name or
     a .gguf file (its header; the registry's shipped exit config where it has one)."""
@@ -246,11 +247,11 @@ POLICIES = ("all", "per_row")
 BACKFILLS = ("deferred", "propagate")
 
 
-def variants(ec: exits.ExitConfig | None, every: bool = False
-             ) -> list[tuple[str, exits.ExitConfig | None]]:
+def variants(ec: ExitConfig | None, every: bool = False
+             ) -> list[tuple[str, ExitConfig | None]]:
     """(name, exit config) of the programs to build: full depth, and `ec` as given — or with
     `every`, `ec` under each policy and back-fill mode."""
-    out: list[tuple[str, exits.ExitConfig | None]] = [("full", None)]
+    out: list[tuple[str, ExitConfig | None]] = [("full", None)]
     if ec is None or not ec.enabled:
         return out
     if not every:
@@ -299,7 +300,7 @@ class Plan:
     cfg: ModelConfig
     target: Target
     shapes: list[StepShape]
-    programs: list[tuple[str, exits.ExitConfig | None]]
+    programs: list[tuple[str, ExitConfig | None]]
     num_pages: int
     page_size: int
     attention: str
@@ -308,7 +309,7 @@ class Plan:
 
     @classmethod
     def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
-             exit_config: exits.ExitConfig | None = None, *,
+             exit_config: ExitConfig | None = None, *,
              every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill"),
              attention: str | None = None) -> Plan:
         """attention: the backend (default: what "auto" picks on
@@ -338,11 +339,11 @@ class Plan:
             return None
         return self.mesh_spec.make_mesh(target_devices(self.target))
 
-    def runner(self, ec: exits.ExitConfig | None) -> ModelRunner:
+    def runner(self, ec: ExitConfig | None) -> ModelRunner:
         """The engine's ModelRunner on abstract params, heads and cache, on the target."""
         cfg, mesh = self.cfg, self.mesh
         params = abstract_params(cfg)
-        heads = None if ec is None else exits.head_shapes(cfg, ec)
+        heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         platform = "gpu" if self.target.platform == "cuda" else self.target.platform
         kv = storage_dtype(cfg.dtype, platform)
         shape = cache_shape(cfg, self.num_pages, self.page_size)
@@ -359,7 +360,7 @@ class Plan:
     def __len__(self) -> int:
         return len(self.items())
 
-    def items(self) -> list[tuple[str, exits.ExitConfig | None, StepShape]]:
+    def items(self) -> list[tuple[str, ExitConfig | None, StepShape]]:
         """(variant, exit config, shape) of every program: prefill only at full depth."""
         out = []
         for name, ec in self.programs:

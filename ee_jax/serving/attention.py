@@ -1,10 +1,9 @@
-"""Attention over the paged cache: one entry point, the per-step metadata, the reference.
+"""Attention over the paged cache: the per-step metadata, the cache write, the reference.
 
-Every layer of every step calls `attend(q, k, v, cache, layer, meta, cfg, backend)`: it
-writes this step's K/V at their slots (a scatter, in place on the donated cache), then
-attends over each row's pages with the chosen backend. Cache writes, back-fill writes
-(`ee_jax.serving.backfill`, through `write_slots`) and attention all follow the slot rule of
-`AttentionMetadata` in this one module.
+Cache writes (`write_kv`), back-fill writes (`ee_jax.serving.backfill`, through
+`write_slots`) and attention all follow the slot rule of `AttentionMetadata` in this one
+module. Every layer of every step attends through `ee_jax.serving.paged_model.attend`, which
+writes this step's K/V and calls the backend `attention_kernels.select_backend` names.
 
 Backends share one signature (`Backend`); `paged_attention` below is the pure-jnp gather
 reference (every row's pages copied out and masked): it runs everywhere and is the oracle the
@@ -15,14 +14,12 @@ ships for GPU and TPU) are tested against.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from ee_jax.models import llama
-from ee_jax.models.config import ModelConfig
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, gather_layer, write_layer
 
 
@@ -126,52 +123,3 @@ def paged_attention(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata
     mask = llama.attention_weights_mask(meta.positions, key_pos,
                                         key_pos[None, :] < meta.kv_lens[:, None], window=window)
     return llama.gqa_attention(q, k, v, mask, scale=scale, softcap=softcap)
-
-
-def backend_by_name(name: str) -> Backend:
-    """The backend called `name` ("reference", or one of `attention_kernels.BACKENDS`;
-    "auto" picks by platform)."""
-    if name == "reference":
-        return paged_attention
-    from ee_jax.serving import attention_kernels
-
-    return attention_kernels.select_backend(name)
-
-
-def _keep_sharding(cache: KVCache, cfg: ModelConfig) -> KVCache:
-    """Under a mesh (the runner traces sharded steps inside `jax.set_mesh`) where the KV heads
-    are replicated (tp does not divide them), pin the cache replicated after each write:
-    otherwise XLA reshards it to suit the query heads' split and gathers it whole every step
-    (bench/collectives.py)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return cache
-    from ee_jax.serving.sharding import cache_spec
-
-    spec = cache_spec(cfg, dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)))
-    if any(spec):  # KV heads split over tp: XLA keeps that layout by itself (pinning it
-        return cache  # measured worse: the XLA attention path then gathered the cache)
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), cache)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
-           meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
-           ) -> tuple[jax.Array, KVCache]:
-    """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
-    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache).
-
-    With query blocks (a ragged prefill step) q, k, v are on the layer's one token axis
-    [N + B, heads, hd]: every K/V is written first (one scatter), then the backend runs twice,
-    on the blocks as [NB, Q] query rows and on the rows' own tokens as [B, 1], and the
-    outputs go back to the token axis."""
-    cache = _keep_sharding(write_kv(cache, layer, meta, k, v), cfg)
-    fn = functools.partial(backend_by_name(backend), cache=cache, layer=layer,
-                           scale=cfg.attn_scale, window=llama.layer_window(cfg, layer),
-                           softcap=cfg.attn_logit_softcap)
-    if not meta.has_blocks:
-        return fn(q, meta=meta), cache
-    NB, Q = meta.block_positions.shape
-    N = NB * Q
-    blocks = fn(q[:N].reshape(NB, Q, *q.shape[1:]), meta=meta.blocks_view())
-    rows = fn(q[N:, None], meta=meta.rows_view())
-    return jnp.concatenate([blocks.reshape(N, *q.shape[1:]), rows[:, 0]]), cache

@@ -38,9 +38,10 @@ _NEG = -1e30
 # xla: keys per chunk of the online softmax, at least _CHUNK_KEYS and at least
 # _CHUNK_ELEMENTS / (B * T) (small batches pay more per loop iteration than per key; counted
 # per query, so a prefill step's 32-query blocks take 128-key chunks, not up to 2048 / blocks:
-# a lone prompt's blocks read 512 keys where 128 would do, bench.prefill). Chosen on CPU
-# (bench/attention.py, SmolLM2 shapes, page size 16): 64-128 keys were best at batch 32,
-# larger chunks no worse at batch 1-8, within the noise of a shared 2-core machine.
+# a lone prompt's blocks read 512 keys where 128 would do: bench/prefill.py, in git at ed116cf).
+# Chosen on CPU (`python -m bench.kernels attention`, SmolLM2 shapes, page size 16): 64-128
+# keys were best at batch 32, larger chunks no worse at batch 1-8, within the noise of a
+# shared 2-core machine.
 _CHUNK_KEYS = 128
 _CHUNK_ELEMENTS = 2048
 # xla: rows per block, max(_MIN_ROW_BLOCK, B // _ROW_BLOCKS), once a batch holds at least two

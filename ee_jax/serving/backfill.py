@@ -5,26 +5,51 @@ them. Before the step ends, its exit hidden state is projected through each skip
 `kv_project` (vmapped over the stacked layers: one batched projection, no loop) and written
 at the token's slot (CALM's state propagation). `kv_project` is the very function the layer
 uses, so a back-filled entry is exactly what that layer would write given that input.
+Back-fill "learned" adds a fitted low-rank correction per (exit, layer) to those K/V
+(`ee_jax.models.backfill_maps`), in the same vmapped projection and the same scatter.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from ee_jax.models import llama
+from ee_jax.models import backfill_maps, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("maps", "slots"),
+                   meta_fields=("start",))
+@dataclasses.dataclass(frozen=True)
+class Learned:
+    """What back-fill "learned" adds to a step's back-fill."""
+
+    maps: backfill_maps.Maps  # the fitted maps (`backfill_maps.map_shapes`)
+    slots: jax.Array  # [B] int32: each row's exit slot (-1: none)
+    start: int  # static: the lowest exit layer, where the maps' layer axis starts
+
+
 def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
-                first: int = 0) -> tuple[jax.Array, jax.Array]:
+                first: int = 0, learned: Learned | None = None) -> tuple[jax.Array, jax.Array]:
     """K/V of h [B, T, D] through layers first..L-1 (`kv_project` vmapped over layers):
     [L - first, B, T, K, hd] each. `first` (static) is the lowest exit that can be taken;
-    below it nothing is ever skipped."""
+    below it nothing is ever skipped. With `learned` (back-fill "learned"), each row's
+    fitted correction for its exit is added (`backfill_maps.kv_correction`)."""
     layers = jax.tree.map(lambda a: a[first:], params["layers"])
-    return jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(layers)
+    ks, vs = jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(layers)
+    if learned is None:
+        return ks, vs
+    maps, slots, start = learned.maps, learned.slots, learned.start
+    off = first - start  # the maps cover layers start..L-1 (start: the lowest exit layer)
+    maps = jax.tree.map(lambda a: a[:, off:], maps)
+    dk, dv = backfill_maps.kv_correction(maps, slots, h, meta.positions, cfg)
+    return (ks.astype(jnp.float32) + dk).astype(ks.dtype), (vs.astype(jnp.float32)
+                                                            + dv).astype(vs.dtype)
 
 
 def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
@@ -51,16 +76,18 @@ def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
 
 
 def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,
-             cfg: ModelConfig, first: int = 0, any_exit=None) -> KVCache:
-    """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D].
+             cfg: ModelConfig, first: int = 0, any_exit=None, learned: Learned | None = None
+             ) -> KVCache:
+    """Fill layers n_done..L-1 at this step's slots with `kv_project` of h [B, T, D] (plus
+    the learned correction with `learned`, see `backfill_kv`).
 
     With `any_exit` (a traced bool), the projections are computed only when it holds (a
     lax.cond over the small K/V arrays, never over the cache) and nothing is written when it
     does not."""
     if any_exit is None:
-        ks, vs = backfill_kv(params, h, meta, cfg, first)
+        ks, vs = backfill_kv(params, h, meta, cfg, first, learned)
     else:
-        project = lambda: backfill_kv(params, h, meta, cfg, first)  # noqa: E731
+        project = lambda: backfill_kv(params, h, meta, cfg, first, learned)  # noqa: E731
         zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
                                      jax.eval_shape(project))
         ks, vs = jax.lax.cond(any_exit, project, zeros)

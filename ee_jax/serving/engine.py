@@ -7,26 +7,27 @@ the device and one small result array back.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
-import os
 import sys
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from ee_jax.errors import TokenizationError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits import ExitConfig, ideal_speedup_with_head
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
+from ee_jax.serving.compilation import compiles_on_this_thread
+from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
@@ -38,21 +39,7 @@ from ee_jax.serving.params import (
 )
 from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
 from ee_jax.serving.sharding import MeshSpec
-
-COMPILATION_CACHE_ENV = "EE_JAX_COMPILATION_CACHE"  # relocates the default persistent cache
-
-
-def enable_compilation_cache(path: str) -> None:
-    """Turn on JAX's persistent compilation cache at `path` (every program, however quick to
-    compile: a step of a small model compiles in seconds and still stalls a request)."""
-    import jax
-
-    path = str(Path(path).expanduser())
-    if jax.config.jax_compilation_cache_dir != path:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from ee_jax.serving.stats import EngineStats
 
 
 @dataclasses.dataclass
@@ -65,6 +52,7 @@ class _Launched:
     t0: float
     compiles: bool
     out_idx: list[int]
+    exits: bool = True  # a decode step: whether it ran the exit program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +79,12 @@ class EngineConfig:
     # Attention backend (ee_jax.serving.attention_kernels): "auto" = the Pallas kernels on
     # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
     attention: str = "auto"
-    # JAX's persistent compilation cache: a restarted engine loads its programs instead of
-    # compiling them again. None or "": off. Default ~/.cache/ee-jax/xla, or
-    # $EE_JAX_COMPILATION_CACHE when set (empty: off).
-    compilation_cache_dir: str | None = dataclasses.field(
-        default_factory=lambda: os.environ.get(COMPILATION_CACHE_ENV, "~/.cache/ee-jax/xla"))
     # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
     # dp (ee_jax.serving.sharding); None: one device.
     mesh: str | None = None
+    # Exit engines: per batch bucket, whether decode steps run the exit program or the
+    # full-depth one (ee_jax.serving.controller; mode "exits": always the exit program).
+    exit_control: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -118,116 +104,13 @@ def num_pages_for(cfg: ModelConfig, config: EngineConfig, per_page: int) -> int:
     return max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
 
 
-@dataclasses.dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    max_pages_used: int = 0
-    compile_time: float = 0.0
-    num_compiles: int = 0
-    num_decode_compiles: int = 0
-    num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
-    # seconds step() spent on the host: not waiting for the device, not compiling
-    host_time: float = 0.0
-    num_mixed_steps: int = 0  # prefill steps that also advanced decoding requests
-
-    decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
-    vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
-    step_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
-    token_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
-    # Per row of decode steps (policy "per_row": each row's own exit layer; otherwise the
-    # batch's): the ideal work is decode_row_layers, the work done row_layers_computed
-    # (rows a layer actually ran on, padding rows of a bucket included), the full-depth work
-    # of the same steps row_layers_full_depth (batch bucket x L).
-    num_decode_rows: int = 0
-    decode_row_layers: int = 0
-    row_layers_computed: int = 0
-    row_layers_full_depth: int = 0
-    row_exit_counts: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def mean_layers_per_decode_step(self) -> float:
-        return self.decode_layers_run / self.num_decode_steps if self.num_decode_steps else 0.0
-
-    def ideal_speedup(self, n_layers: int) -> float:
-        """L / mean executed layers: the most early exit can give at this exit pattern."""
-        m = self.mean_layers_per_decode_step
-        return n_layers / m if m else 1.0
-
-    @property
-    def mean_layers_per_row(self) -> float:
-        """Mean layers executed per decoded row (per token of a decode step)."""
-        return self.decode_row_layers / self.num_decode_rows if self.num_decode_rows else 0.0
-
-    def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None) -> float:
-        """(L + head) / (mean layers + exit head + checks) per decoded row, everything in
-        layer-equivalents (`exits.cost_model`): the honest ceiling beside the measured speed
-        (L / mean layers leaves out the LM head, ~8 layers on SmolLM2)."""
-        if ec is None or not self.row_exit_counts:
-            return 1.0
-        return ideal_speedup_with_head(cfg, ec, self.row_exit_counts)
-
-    def snapshot(self) -> EngineStats:
-        """A copy of the counters now; `since(snapshot)` gives a window's figures."""
-        return copy.deepcopy(self)
-
-    def since(self, before: EngineStats) -> EngineStats:
-        """The counters accumulated after `before` (a `snapshot`); maxima stay as they are."""
-        out = EngineStats()
-        for f in dataclasses.fields(self):
-            now, then = getattr(self, f.name), getattr(before, f.name)
-            if isinstance(now, dict):
-                diff = {k: v - then.get(k, 0) for k, v in now.items()}
-                setattr(out, f.name, {k: v for k, v in diff.items() if v})
-            elif f.name.startswith("max_"):
-                setattr(out, f.name, now)
-            else:
-                setattr(out, f.name, now - then)
-        return out
-
-    def ideal_row_speedup(self, n_layers: int) -> float:
-        """L / mean executed layers per row: the most per-row exits could give."""
-        m = self.mean_layers_per_row
-        return n_layers / m if m else 1.0
-
-    @property
-    def work_fraction(self) -> float:
-        """Row-layers computed / row-layers at full depth over the same decode steps."""
-        return (self.row_layers_computed / self.row_layers_full_depth
-                if self.row_layers_full_depth else 1.0)
-
-    def row_exit_histogram(self) -> str:
-        """Decode rows per exit layer, e.g. '6:40 9:12 30:8'."""
-        return " ".join(f"{k}:{v}" for k, v in sorted(self.row_exit_counts.items()))
-
-    @property
-    def vocab_checks_per_decode_step(self) -> float:
-        return self.vocab_checks / self.num_decode_steps if self.num_decode_steps else 0.0
-
-    def exit_histogram(self) -> str:
-        """Decode steps per batch exit layer, e.g. '10:4 15:20 30:3'."""
-        return " ".join(f"{k}:{v}" for k, v in sorted(self.step_exit_counts.items()))
-
-    @property
-    def decode_step_time(self) -> float:
-        """Mean seconds per decode step that did not compile."""
-        return self.decode_time / max(1, self.num_decode_steps - self.num_decode_compiles)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.num_decode_tokens / self.decode_time if self.decode_time else 0.0
-
-
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
                  config: EngineConfig = EngineConfig(),
-                 exit_config: ExitConfig | None = None, exit_heads=None):
+                 exit_config: ExitConfig | None = None, exit_heads=None, *,
+                 mesh: Mesh | None = None):
+        """mesh: the devices `config.mesh` describes, when the caller built them already
+        (`LLM` builds one mesh for the loader's placement and the engine)."""
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -243,20 +126,21 @@ class LLMEngine:
                 f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
                 f"cannot hold one sequence of max_model_len={config.max_model_len}; raise "
                 f"num_pages/kv_cache_gib or lower max_model_len")
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         # the running requests' step inputs, kept across steps (architecture.md section 3)
         self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
                                       exit_config.threshold if exit_config else np.inf)
         self.exit_config = exit_config
-        mesh = cache_sharding = None
+        cache_sharding = None
         if config.mesh:
             spec = MeshSpec.parse(config.mesh)
             spec.validate_for(cfg)
-            mesh = spec.make_mesh()
+            mesh = spec.make_mesh() if mesh is None else sharding.check_mesh(spec, mesh)
             cache_sharding = sharding.cache_sharding(cfg, mesh)
+        elif mesh is not None:
+            raise sharding.MeshError("a mesh was given but EngineConfig.mesh is None: set "
+                                     "mesh='tp=N,dp=M' to the mesh's axes")
         self.mesh = mesh
         attention = config.attention
         if attention == "auto" and mesh is not None and mesh.size > 1:
@@ -269,6 +153,10 @@ class LLMEngine:
                                                  sharding=cache_sharding),
                                   exit_config, exit_heads, attention=attention,
                                   max_batch=max(config.batch_buckets), mesh=mesh)
+        self.controller = None
+        if exit_config is not None and exit_config.enabled:
+            self.controller = ExitController(config.exit_control, exit_predictor(
+                cfg, exit_config, config.exit_control, exit_heads))
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read
         self._waited = 0.0  # seconds this step() call waited for the device
@@ -288,11 +176,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-            try:  # e.g. a lone surrogate ("\udcff"): the Rust tokenizer raises TypeError
+            try:  # e.g. a lone surrogate ("\udcff"): TokenizationError says where
                 ids = list(self.tokenizer.encode(prompt))
-            except (TypeError, ValueError, UnicodeError) as e:
-                raise InvalidRequestError(f"the prompt cannot be tokenized ({e}); send valid "
-                                          f"Unicode text (no lone surrogates)", "prompt") from e
+            except TokenizationError as e:
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {e}", "prompt") from e
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
@@ -393,14 +280,25 @@ class LLMEngine:
         the step had run (its sampled token PENDING until `_finish` reads it)."""
         self.stats.num_preemptions += len(schedule.preempted)
         batch = self._build_batch(schedule)
+        if schedule.kind == "decode" and self.controller is not None \
+                and not self.controller.use_exits(batch.shape.batch):
+            batch.shape = dataclasses.replace(batch.shape, exits=False)
         t0 = time.perf_counter()
         for row in schedule.rows:
             if row.seq.metrics.first_scheduled_time is None:
                 row.seq.metrics.first_scheduled_time = t0
-        compiles = batch.shape not in self.runner.traces
+        before = compiles_on_this_thread()
         result = self.runner.step(batch)
+        # Any program compiled (or loaded from the persistent cache) inside the call: a new
+        # shape, but also a known shape whose arguments' placement changed (jit compiles
+        # again without tracing again), which counting traced shapes missed.
+        compiles = compiles_on_this_thread() > before
         if compiles:  # tracing and compiling are not host time of serving
-            self._waited += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self._waited += took
+            for seq in self._requests.values():  # it delayed every first token not out yet
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.compile_wait += took
         out_idx = []
         for r, row in enumerate(schedule.rows):
             seq = row.seq
@@ -416,7 +314,7 @@ class LLMEngine:
             if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
                     or 0 < len(forced) <= n + 1:
                 seq.awaiting_finish = True
-        return _Launched(schedule, result, t0, compiles, out_idx)
+        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits)
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results (waits for the device) and process them."""
@@ -429,6 +327,9 @@ class LLMEngine:
         dt = now - max(launched.t0, self._last_ready)
         self._last_ready = now
         self._account(launched.schedule, dt, launched.compiles, extra)
+        if launched.schedule.kind == "decode" and self.controller is not None:
+            self.controller.observe(launched.schedule.shape.batch, launched.exits,
+                                    [int(e) for e in extra[:len(launched.schedule.rows), 0]])
         return self._process(launched, tokens, logprobs, extra)
 
     def _build_batch(self, schedule: Schedule) -> StepBatch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import sys
 import time
@@ -10,8 +11,9 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from ee_jax.models.exits import ExitConfig
+from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
+from ee_jax.serving import sharding
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (
     InvalidRequestError,
@@ -38,19 +40,22 @@ class LLM:
         with them; `early_exit=False` serves at full depth instead. quantize="int8" serves
         int8 layer weights (per-output-channel scales; exit heads stay in the model dtype)."""
         t0 = time.perf_counter()
+        spec = engine_kwargs.get("mesh")
+        mesh = sharding.MeshSpec.parse(spec).make_mesh() if spec else None  # built once
         self.model = quantize_model(model, quantize) if isinstance(model, LoadedModel) else \
             load_model(model, dtype=dtype, quantize=quantize, progress=progress,
-                       mesh=engine_kwargs.get("mesh"))
+                       placement=sharding.placement(spec, mesh) if spec else None)
         if not early_exit:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:
             shipped = self.model.shipped_exit_heads()
-            if shipped is not None:
+            if shipped is not None:  # served under the one serving policy (as the CLI)
                 exit_config, exit_heads = shipped
+                exit_config = dataclasses.replace(exit_config, policy=SERVING_POLICY)
         self.load_time = time.perf_counter() - t0
         config = EngineConfig(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
-                                config, exit_config, exit_heads)
+                                config, exit_config, exit_heads, mesh=mesh)
         self._counter = 0
 
     @property

@@ -8,8 +8,10 @@ steady state never recompiles.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -17,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ee_jax.models import exits, llama, quant
+from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_heads import check_heads, init_heads, with_vocab_rows
 from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
@@ -52,6 +56,9 @@ class StepShape:
     tokens: int
     pages: int
     kind: str = "decode"
+    # decode only: False runs the full-depth program (no checks compiled in) where the exit
+    # controller found that checks do not pay (`ee_jax.serving.controller`)
+    exits: bool = True
 
     def __post_init__(self):
         if self.kind not in ("prefill", "decode"):
@@ -182,6 +189,79 @@ def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return out[:, 0], out[:, 1].view(np.float32), out[:, 2:]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything static about a step program but its shape: runners of one StepConfig share
+    one jitted function (`step_program`), so a second engine of the same model, exit settings,
+    attention backend and mesh compiles nothing the first one compiled."""
+
+    model: ModelConfig
+    exit_config: ExitConfig | None
+    attention: str
+    mesh: Mesh | None
+
+
+class StepProgram:
+    """The jitted step of one StepConfig: `jitted(shape, params, heads, cache, buf,
+    last_tokens, pending)` with the cache donated. `traces` counts traces per StepShape."""
+
+    def __init__(self, config: StepConfig):
+        self.config = config
+        self.traces: collections.Counter[StepShape] = collections.Counter()
+        jit_kw: dict[str, Any] = {}
+        if config.mesh is not None:
+            rep = sharding.replicated(config.mesh)
+            jit_kw["out_shardings"] = (sharding.cache_sharding(config.model, config.mesh),
+                                       rep, rep, rep)
+        self.jitted = jax.jit(self._impl, static_argnums=(0,), donate_argnums=(3,), **jit_kw)
+
+    def _impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
+              last_tokens: jax.Array, pending: Pending):
+        self.traces[shape] += 1  # runs only while tracing
+        c = self.config
+        inp = unpack(shape, buf)
+        tokens = inp["tokens"]
+        # Rows whose token the previous step sampled read it from the device.
+        src = inp["src_row"]
+        from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
+        tokens = tokens.at[:, 0].set(jnp.where(src >= 0, from_device, tokens[:, 0]))
+        if c.mesh is not None and c.mesh.shape["dp"] > 1:  # rows over dp
+            tokens = jax.lax.with_sharding_constraint(tokens,
+                                                      sharding.batch_sharding(c.mesh, 2))
+        blocks = shape.block_tokens > 0
+        meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"],
+                                 inp["block_positions"] if blocks else None,
+                                 inp["block_rows"] if blocks else None)
+        policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
+        prev = inp["pend_row"]  # rows of the latest decode step, or -1
+        at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
+        rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
+                                                        c.model.n_layers))
+        result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
+                                   c.model, policy, c.attention,
+                                   block_tokens=inp["block_tokens"] if blocks else None,
+                                   pending=rows_pending)
+        sampled = sample(result.logits, sampling_tensors(inp))
+        logprobs = token_logprobs(result.logits, sampled)
+        last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
+        if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
+            # tokens where they are (its rows' own are dropped: InputBatch never asks again)
+            pending = Pending.none(last_tokens.shape[0], c.model)
+            pending = Pending(pending.h.at[:shape.batch].set(result.pending.h),
+                              pending.layer.at[:shape.batch].set(result.pending.layer))
+        return cache, pack_results(sampled, logprobs, result.exit_layer,
+                                   *(jnp.broadcast_to(a, sampled.shape)
+                                     for a in (result.checks, result.work))), last_tokens, \
+            pending
+
+
+@functools.cache
+def step_program(config: StepConfig) -> StepProgram:
+    """The one step program of `config` in this process (why: a jitted function per runner
+    compiled every shape again for every engine, ~68 times over in the test suite)."""
+    return StepProgram(config)
+
+
 class ModelRunner:
     """Owns the params, the cache and the compiled steps; the engine hands it StepBatches.
 
@@ -194,7 +274,7 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
-                 exit_config: exits.ExitConfig | None = None, exit_heads=None,
+                 exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
                  mesh: Mesh | None = None, device: jax.Device | None = None):
         """`device`: where a runner without a mesh runs (default: the first local device).
@@ -210,14 +290,13 @@ class ModelRunner:
         if exit_config is not None:
             exit_config.validate_for(cfg)
             if exit_heads is None:
-                exit_heads = exits.init_heads(cfg, exit_config, params)
-            exits.check_heads(cfg, exit_config, exit_heads)
+                exit_heads = init_heads(cfg, exit_config, params)
+            check_heads(cfg, exit_config, exit_heads)
             # The subset's LM-head rows gathered once here, not in every step's first check.
-            exit_heads = jax.eval_shape(lambda p, h: exits.with_vocab_rows(p, h, cfg), params,
+            exit_heads = jax.eval_shape(lambda p, h: with_vocab_rows(p, h, cfg), params,
                                         exit_heads) \
-                if abstract else exits.with_vocab_rows(params, exit_heads, cfg)
+                if abstract else with_vocab_rows(params, exit_heads, cfg)
         self.params, self.exit_heads = params, exit_heads
-        jit_kw: dict[str, Any] = {}
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
             params = quant.dequantize_params(params, cfg.jnp_dtype) \
                 if quant.has_blocks(params) else params  # GGUF blocks: not sharded as such
@@ -225,8 +304,6 @@ class ModelRunner:
             if exit_heads is not None:
                 self.exit_heads = _place(
                     exit_heads, sharding.param_shardings(exit_heads, cfg, mesh))
-            rep = sharding.replicated(mesh)
-            jit_kw["out_shardings"] = (sharding.cache_sharding(cfg, mesh), rep, rep, rep)
         else:  # every argument committed to the device from the start (no copy): jit keys
             # its programs on whether an argument is committed, and the donated cache comes
             # back committed after the first step (and an exit engine's heads may be), so
@@ -234,6 +311,8 @@ class ModelRunner:
             device = device or jax.local_devices()[0]
             self.params, self.exit_heads, self.cache = _place(
                 (self.params, self.exit_heads, self.cache), SingleDeviceSharding(device))
+        # The shapes this runner has run or compiled, each with the traces that took (0: the
+        # shared program had it already; more than 1 would be a recompile).
         self.traces: dict[StepShape, int] = {}
         self.max_batch = max_batch
         # The last step's sampled tokens, on the device, padded to max_batch: the next step
@@ -246,46 +325,8 @@ class ModelRunner:
         self.last_tokens, self.pending = _place(
             jax.eval_shape(state) if abstract else state(),
             SingleDeviceSharding(device) if mesh is None else sharding.replicated(mesh))
-        self._step = jax.jit(self._step_impl, static_argnums=(0,), donate_argnums=(3,),
-                             **jit_kw)
-
-    def _step_impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
-                   last_tokens: jax.Array, pending: Pending):
-        self.traces[shape] = self.traces.get(shape, 0) + 1  # runs only while tracing
-        inp = unpack(shape, buf)
-        tokens = inp["tokens"]
-        # Rows whose token the previous step sampled read it from the device.
-        src = inp["src_row"]
-        from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
-        tokens = tokens.at[:, 0].set(jnp.where(src >= 0, from_device, tokens[:, 0]))
-        if self.mesh is not None and self.mesh.shape["dp"] > 1:  # rows over dp
-            tokens = jax.lax.with_sharding_constraint(tokens,
-                                                      sharding.batch_sharding(self.mesh, 2))
-        blocks = shape.block_tokens > 0
-        meta = AttentionMetadata(inp["positions"], inp["page_table"], inp["kv_lens"],
-                                 inp["block_positions"] if blocks else None,
-                                 inp["block_rows"] if blocks else None)
-        policy = policy_for(self.exit_config, shape.kind)
-        prev = inp["pend_row"]  # rows of the latest decode step, or -1
-        at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
-        rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
-                                                        self.cfg.n_layers))
-        result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
-                                   self.cfg, policy, self.attention,
-                                   block_tokens=inp["block_tokens"] if blocks else None,
-                                   pending=rows_pending)
-        sampled = sample(result.logits, sampling_tensors(inp))
-        logprobs = token_logprobs(result.logits, sampled)
-        last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
-        if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
-            # tokens where they are (its rows' own are dropped: InputBatch never asks again)
-            pending = Pending.none(last_tokens.shape[0], self.cfg)
-            pending = Pending(pending.h.at[:shape.batch].set(result.pending.h),
-                              pending.layer.at[:shape.batch].set(result.pending.layer))
-        return cache, pack_results(sampled, logprobs, result.exit_layer,
-                                   *(jnp.broadcast_to(a, sampled.shape)
-                                     for a in (result.checks, result.work))), last_tokens, \
-            pending
+        self.program = step_program(StepConfig(cfg, exit_config, attention, mesh))
+        self._step = self.program.jitted
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step without waiting for it; returns the device result (read it with
@@ -298,7 +339,8 @@ class ModelRunner:
         if distributed.is_multiprocess():
             s = batch.shape
             distributed.broadcast_header(np.asarray(
-                [distributed.GO, s.batch, s.tokens, s.pages, _KINDS.index(s.kind)], np.int32))
+                [distributed.GO, s.batch, s.tokens, s.pages,
+                 _KINDS.index(s.kind) + (0 if s.exits else len(_KINDS))], np.int32))
             distributed.broadcast_buffer(buf, s.size)
         out = self._launch(batch.shape, buf)
         return out.addressable_data(0) if distributed.is_multiprocess() else out
@@ -308,11 +350,22 @@ class ModelRunner:
             dev = jax.device_put(buf)  # a transfer (jnp.asarray compiles per shape)
         else:
             dev = sharding.shard(buf, sharding.replicated(self.mesh))
-        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+        with self._tracing(shape), \
+                contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             self.cache, out, self.last_tokens, self.pending = self._step(
                 shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens,
                 self.pending)
         return out
+
+    @contextlib.contextmanager
+    def _tracing(self, shape: StepShape):
+        """Count in `traces` the traces of `shape` that happen inside (the program is shared:
+        its own count includes other runners')."""
+        n0 = self.program.traces[shape]
+        try:
+            yield
+        finally:
+            self.traces[shape] = self.traces.get(shape, 0) + self.program.traces[shape] - n0
 
     def follow(self) -> int:
         """A follower process's loop: run every step the leader broadcasts, until it stops.
@@ -322,7 +375,8 @@ class ModelRunner:
             go, b, t, w, kind = distributed.broadcast_header(None).tolist()
             if go == distributed.STOP:
                 return n
-            shape = StepShape(b, t, w, kind=_KINDS[kind])
+            shape = StepShape(b, t, w, kind=_KINDS[kind % len(_KINDS)],
+                              exits=kind < len(_KINDS))
             self._launch(shape, distributed.broadcast_buffer(None, shape.size))
             n += 1
 
@@ -334,7 +388,8 @@ class ModelRunner:
     def lower(self, shape: StepShape) -> Any:
         """The step of `shape` lowered (`jax.stages.Lowered`), with this runner's arguments."""
         buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
-        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+        with self._tracing(shape), \
+                contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return self._step.lower(shape, self.params, self.exit_heads, self.cache, buf,
                                     self.last_tokens, self.pending)
 
@@ -346,4 +401,5 @@ class ModelRunner:
 
     @property
     def num_traces(self) -> int:
+        """Traces this runner's steps took (its shapes' compiles; other runners' not)."""
         return sum(self.traces.values())

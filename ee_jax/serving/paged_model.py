@@ -1,13 +1,61 @@
-"""The model's layers run over the paged cache: the same `decoder_layer`, another `attend`."""
+"""The model's layers run over the paged cache: the same `decoder_layer`, another attention.
+
+`attend` is the one attention entry point every layer of every step calls: it writes this
+step's K/V at their slots (a scatter, in place on the donated cache), then attends over each
+row's pages with the backend named (`attention_kernels.select_backend`, the one registry).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.serving.attention import AttentionMetadata, attend
+from ee_jax.serving.attention import AttentionMetadata, write_kv
+from ee_jax.serving.attention_kernels import select_backend
 from ee_jax.serving.kv_cache import KVCache
+from ee_jax.serving.sharding import cache_spec
+
+
+def _keep_sharding(cache: KVCache, cfg: ModelConfig) -> KVCache:
+    """Under a mesh (the runner traces sharded steps inside `jax.set_mesh`) where the KV heads
+    are replicated (tp does not divide them), pin the cache replicated after each write:
+    otherwise XLA reshards it to suit the query heads' split and gathers it whole every step
+    (bench/collectives.py)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return cache
+    spec = cache_spec(cfg, dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)))
+    if any(spec):  # KV heads split over tp: XLA keeps that layout by itself (pinning it
+        return cache  # measured worse: the XLA attention path then gathered the cache)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), cache)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
+           meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
+           ) -> tuple[jax.Array, KVCache]:
+    """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
+    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache). backend: a name
+    `attention_kernels.select_backend` knows ("reference", "xla", "auto", ...).
+
+    With query blocks (a ragged prefill step) q, k, v are on the layer's one token axis
+    [N + B, heads, hd]: every K/V is written first (one scatter), then the backend runs twice,
+    on the blocks as [NB, Q] query rows and on the rows' own tokens as [B, 1], and the
+    outputs go back to the token axis."""
+    cache = _keep_sharding(write_kv(cache, layer, meta, k, v), cfg)
+    fn = functools.partial(select_backend(backend), cache=cache, layer=layer,
+                           scale=cfg.attn_scale, window=llama.layer_window(cfg, layer),
+                           softcap=cfg.attn_logit_softcap)
+    if not meta.has_blocks:
+        return fn(q, meta=meta), cache
+    NB, Q = meta.block_positions.shape
+    N = NB * Q
+    blocks = fn(q[:N].reshape(NB, Q, *q.shape[1:]), meta=meta.blocks_view())
+    rows = fn(q[N:, None], meta=meta.rows_view())
+    return jnp.concatenate([blocks.reshape(N, *q.shape[1:]), rows[:, 0]]), cache
 
 
 def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: AttentionMetadata,

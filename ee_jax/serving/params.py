@@ -116,12 +116,21 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # seconds of engine steps that compiled a program while this request waited for its
+    # first token (a warm server would not have made it wait for them)
+    compile_wait: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def warm_time_to_first_token(self) -> float | None:
+        """Time to first token less the steps that compiled meanwhile (`compile_wait`)."""
+        ttft = self.time_to_first_token
+        return None if ttft is None else ttft - self.compile_wait
 
     @property
     def latency(self) -> float | None:

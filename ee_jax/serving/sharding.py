@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models.config import ModelConfig
+from ee_jax.serving.distributed import global_array
 
 
 class MeshError(EEJaxError, ValueError):
@@ -50,7 +51,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "q_norm": (None,), "k_norm": (None,),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    # exit heads (ee_jax.models.exits): the adapter / MLP head's width is split like the
+    # exit heads (ee_jax.models.exit_heads): the adapter / MLP head's width is split like the
     # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
     "down": ("embed", "mlp"), "up": ("mlp", "embed"),
 }
@@ -115,6 +116,14 @@ class MeshSpec:
         return Mesh(grid, MESH_AXES)
 
 
+def check_mesh(spec: MeshSpec, mesh: Mesh) -> Mesh:
+    """`mesh` itself, or MeshError unless it has the spec's axes and sizes."""
+    if dict(mesh.shape) != {"dp": spec.dp, "tp": spec.tp}:
+        raise MeshError(f"the mesh given has axes {dict(mesh.shape)}, not the {spec} the "
+                        f"engine is configured for")
+    return mesh
+
+
 def logical_rules(cfg: ModelConfig, mesh) -> dict[str, str | None]:
     """Logical axis -> mesh axis for this model on this mesh (the one table); `mesh`: a Mesh
     or its axis sizes {"dp": .., "tp": ..}."""
@@ -166,21 +175,21 @@ def shard(tree: Any, shardings: Any) -> Any:
     """Place every leaf on its sharding (host arrays go straight to their shards; with
     several processes, each process places its own devices' shards)."""
     if jax.process_count() > 1:
-        from ee_jax.serving.distributed import global_array
-
         return jax.tree.map(lambda a, s: global_array(np.asarray(a), s), tree, shardings)
     return jax.tree.map(jax.device_put, tree, shardings)
 
 
-def placement(spec: str | MeshSpec):
+def placement(spec: str | MeshSpec, mesh: Mesh | None = None):
     """For loaders: cfg -> where(path, ndim), the sharding of each parameter leaf, so the
     loader puts it straight on its shards as it is read (`ee_jax.models.hf.load_hf`): a
-    sharded model is never whole on one device or in host memory."""
+    sharded model is never whole on one device or in host memory. mesh: the spec's mesh when
+    the caller built it already (`LLM` builds one for the loader and the engine)."""
     spec = MeshSpec.parse(spec)
 
     def for_config(cfg: ModelConfig):
         spec.validate_for(cfg)
-        mesh = spec.make_mesh()
+        nonlocal mesh
+        mesh = spec.make_mesh() if mesh is None else check_mesh(spec, mesh)
         rules = logical_rules(cfg, mesh)
 
         def where(path: tuple[str, ...], ndim: int) -> NamedSharding:

@@ -21,7 +21,7 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
         while n + 1 < the first check (all layers if no row may leave): layer n; n += 1
         while n < L and the running rows do not fit the next bucket:   # lax.while_loop
             layer n on the first z rows; n += 1
-            if n is an exit layer: conf = exits.check_confidence(...)     # one dispatch
+            if n is an exit layer: conf = exit_checks.check_confidence(...)     # one dispatch
                                    rows the policy lets leave record (h, n, logits if computed)
             (one lax.switch per layer: no check, the first check, a later check; the kind is
              static inside each branch, so measure "candidates" does not branch again)
@@ -44,9 +44,9 @@ most log2(B) + 1 times. One compiled program per step shape serves every exit pa
 nothing goes back to the host inside the step.
 
 What a check costs (issue 12, shipped SmolLM2 heads, CPU): the first check projects onto the
-8,192-id subset and picks 8 candidates; `exits.top_k` does that without sorting the subset
+8,192-id subset and picks 8 candidates; `exit_checks.top_k` does that without sorting the subset
 (lax.top_k sorted it: 1.3 ms at batch 1, 16 ms at batch 8), and heads holding `vocab_rows`
-(`exits.with_vocab_rows`) skip gathering the 8,192 head rows every step. A later check is
+(`exit_heads.with_vocab_rows`) skip gathering the 8,192 head rows every step. A later check is
 about fifty small kernels (~50 us at batch 1): its cost is their count, not their arithmetic.
 """
 
@@ -59,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.backfill import backfill
+from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import KVCache
 from ee_jax.serving.paged_model import paged_layer
 
@@ -114,7 +115,7 @@ class BatchExit:
     """The batch leaves together once `ec.policy`'s rule holds over the rows that were
     confident at some check ("all": every active row, the paper's rule; "quorum")."""
 
-    ec: exits.ExitConfig
+    ec: ExitConfig
     has_checks = True
     batch_wide = True
 
@@ -124,12 +125,12 @@ class BatchExit:
     def can_exit(self, thresholds: jax.Array, active: jax.Array) -> jax.Array:
         """Whether any exit could be taken at all: if the rule cannot be met even by rows
         that are always confident (a row with threshold NEVER under "all"), no check runs."""
-        return exits.batch_exits(thresholds <= 1.0, active, self.ec.policy, self.ec.quorum)
+        return exit_checks.batch_exits(thresholds <= 1.0, active, self.ec.policy, self.ec.quorum)
 
     def leave(self, confident, done, running, active):
         """(rows leaving now, done) in compacted order; confident: [B] bool at this check."""
         done = done | confident  # a row once confident stays done
-        go = exits.batch_exits(done, active, self.ec.policy, self.ec.quorum)
+        go = exit_checks.batch_exits(done, active, self.ec.policy, self.ec.quorum)
         return running & go, done
 
 
@@ -138,7 +139,7 @@ class PerRow:
     """Each row leaves at its own first confident exit, taking that exit's head; the rows
     still running are compacted into the smallest row bucket that holds them."""
 
-    ec: exits.ExitConfig
+    ec: ExitConfig
     has_checks = True
     batch_wide = False
 
@@ -156,7 +157,7 @@ class PerRow:
 Policy = FullDepth | BatchExit | PerRow
 
 
-def policy_for(ec: exits.ExitConfig | None, kind: str) -> Policy:
+def policy_for(ec: ExitConfig | None, kind: str) -> Policy:
     """The policy a step of `kind` ("prefill" / "decode") runs under `ec`."""
     if kind == "prefill" or ec is None or not ec.enabled:
         return FullDepth()
@@ -186,7 +187,7 @@ class _Loop:
     pend: jax.Array  # (c) [B] int32: layers the row's pending token has run (L: none)
     running: jax.Array  # (c) [B] bool
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
-    check: exits.CheckState  # (c) what a check carries to the next (per row)
+    check: exit_checks.CheckState  # (c) what a check carries to the next (per row)
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
@@ -256,7 +257,7 @@ def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
                       pending=Pending.none(B, cfg)), cache
 
 
-def checked_layers(ec: exits.ExitConfig, n_layers: int) -> tuple[int, ...]:
+def checked_layers(ec: ExitConfig, n_layers: int) -> tuple[int, ...]:
     """The layers (static) after which a step with checks runs one: every exit layer from
     `min_exit_layer` on (measure "saturation" also below it, to record the hidden state its
     next check compares with). With `force_exit_layer` no check computes anything."""
@@ -313,7 +314,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             confident = jnp.broadcast_to(n == force, (B,))
             state = s.check
         else:
-            conf, logits, part = exits.check_confidence(
+            conf, logits, part = exit_checks.check_confidence(
                 params, heads, table[n], h[:z], _rows(s.check, slice(0, z)), cfg, ec,
                 first=first)
             state = part if z == B else jax.tree.map(lambda a, p: a.at[:z].set(p),
@@ -401,7 +402,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         meta, x = _with_pending(meta, x, pending)  # [B, 2], [B, 2, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               pend=jnp.where(active, pending.layer, L), running=active,
-              done=jnp.zeros((B,), bool), check=exits.init_check_state(x[:, -1], ec),
+              done=jnp.zeros((B,), bool), check=exit_checks.init_check_state(x[:, -1], ec),
               h_exit=x[:, -1], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
@@ -420,8 +421,11 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
     first = ec.first_exit or 0
     if not deferred:
+        # back-fill "learned": each row's fitted maps for its exit (table: -1 at L and 0)
+        learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0])
+                   if ec.backfill == "learned" else None)
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
-                         any_exit=jnp.any(left))
+                         any_exit=jnp.any(left), learned=learned)
         return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
                           work=s.work, pending=Pending.none(B, cfg)), cache
     # The pending token ran every layer its row ran above its own progress: complete if the
@@ -449,17 +453,17 @@ def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
         exited = jnp.any(left)
 
         def at_exit():
-            return s.logits if keep_logits else exits.exit_logits(params, heads, table[n],
-                                                                  h_exit, cfg)
+            return s.logits if keep_logits else exit_heads.exit_logits(params, heads, table[n],
+                                                                       h_exit, cfg)
 
         return jax.lax.cond(exited, at_exit, lambda: llama.final_head(params, h_exit, cfg))
     slots = jnp.where(left, table[jnp.minimum(exit_layer, L)], -1)
     if not keep_logits:
-        return exits.row_exit_logits(params, heads, slots, h_exit, cfg)
+        return exit_heads.row_exit_logits(params, heads, slots, h_exit, cfg)
     # Rows that left have their logits from the check; the head runs only if a row did not.
     need_head = jnp.any(active & ~left)
     return jax.lax.cond(
         need_head,
-        lambda: jnp.where(left[:, None], s.logits, exits.row_exit_logits(
+        lambda: jnp.where(left[:, None], s.logits, exit_heads.row_exit_logits(
             params, heads, slots, h_exit, cfg)),
         lambda: s.logits)

@@ -8,7 +8,7 @@ over a restricted vocabulary; then the vocabulary subset, the per-exit decision 
     vocab_subset     the K most frequent tokens the model emits (teacher top-1) and reads
     batch_vocab      a batch's restricted vocabulary: real next tokens, then teacher top-k
     train_heads      AdamW on `restricted_exit_losses`
-    decision_data    features (`exits.candidate_features`, chained over exits exactly as
+    decision_data    features (`exit_checks.candidate_features`, chained over exits exactly as
                      served) and labels (exit top-1 == final top-1) per exit and token
     fit_decisions    one tiny MLP per exit on those, by BCE
 """
@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.training.losses import LossWeights, restricted_exit_losses
 
 
@@ -148,19 +149,19 @@ def train_heads(cfg, ec, w, params, heads, cache, opt, *, batch: int, epochs: in
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ec"))
 def _decision_batch(params, heads, hs, emb, final_top, cfg: ModelConfig,
-                    ec: exits.ExitConfig):
+                    ec: ExitConfig):
     """hs [E, n, D], emb [n, D], final_top [n] -> features [E, n, F], agree [E, n], and the
     exit head's top-1 [E, n]; the check state is chained over exits as in serving."""
-    state = exits.init_check_state(emb, ec)
+    state = exit_checks.init_check_state(emb, ec)
 
     def body(state, xs):
         slot, h = xs
         h = h.astype(emb.dtype)
-        feats, state = exits.candidate_features(params, heads, slot, h, state, cfg, ec)
-        hn = exits.exit_hidden(heads, slot, h, cfg)
+        feats, state = exit_checks.candidate_features(params, heads, slot, h, state, cfg, ec)
+        hn = exit_heads.exit_hidden(heads, slot, h, cfg)
         if "vocab" in heads:
             top = jnp.take(heads["vocab"], jnp.argmax(
-                exits.unembed_rows(params, hn, heads["vocab"], cfg), axis=-1))
+                exit_heads.unembed_rows(params, hn, heads["vocab"], cfg), axis=-1))
         else:
             top = jnp.argmax(llama.unembed(params, hn, cfg), axis=-1)
         return state, (feats, top == final_top, top)
@@ -203,7 +204,7 @@ def fit_decisions(heads: dict, feats: np.ndarray, agree: np.ndarray, *, steps: i
     opt = optax.adam(lr)
 
     def bce(d):
-        one = jax.vmap(lambda dd, xx: exits.decision_logit({"decision": jax.tree.map(
+        one = jax.vmap(lambda dd, xx: exit_checks.decision_logit({"decision": jax.tree.map(
             lambda a: a[None], dd)}, 0, xx))(d, x)  # [E, n]
         return jnp.mean(jnp.logaddexp(0.0, one) - y * one, axis=1)
 
@@ -222,6 +223,6 @@ def fit_decisions(heads: dict, feats: np.ndarray, agree: np.ndarray, *, steps: i
 def confidences(heads: dict, feats: np.ndarray) -> np.ndarray:
     """feats [E, n, F] -> the served confidence [E, n] (the decision MLP's sigmoid)."""
     d = heads["decision"]
-    out = jax.vmap(lambda dd, xx: exits.decision_logit(
+    out = jax.vmap(lambda dd, xx: exit_checks.decision_logit(
         {"decision": jax.tree.map(lambda a: a[None], dd)}, 0, xx))(d, jnp.asarray(feats))
     return np.asarray(jax.nn.sigmoid(out))

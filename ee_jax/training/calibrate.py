@@ -1,182 +1,25 @@
-"""Exit thresholds with a stated guarantee: Learn-then-Test (arXiv 2110.01052; CALM, arXiv
-2207.07061) on a calibration split that tuning and evaluation never read.
-
-Risk of a threshold t: the fraction of calibration tokens that leave at an exit (their first
-exit whose confidence >= t) with a token different from full depth's, i.e. 1 - teacher-forced
-(TF) agreement. For a target agreement a (risk bound eps = 1 - a) and each t on a grid, test
-H_t: risk(t) > eps with the exact binomial p-value P(Binom(n, eps) <= errors(t)). Fixed-sequence
-testing from the most conservative t downwards rejects while p <= delta and stops at the first
-t it cannot reject; the lowest rejected t is the threshold. Then, with probability >= 1 - delta
-over the draw of the calibration tokens, the chosen threshold's risk is <= eps.
-
-Tokens of one answer are correlated (an answer the decision finds hard is hard throughout), so
-the per-token binomial test overstates the evidence. When the calibration tokens come in
-clusters (packed rows of answers), H_t must also be rejected by a cluster-robust one-sided z-test
-of the error ratio (`p_value_clustered`); the p-value used is the larger of the two.
-
-Caveat stated with every result: the guarantee assumes calibration answers are exchangeable with
-the answers served, and a served token's context is the model's own (possibly exited) output,
-not the teacher's. The evaluation measures TF agreement on held-out workloads to check it.
+"""Calibration of shipped exit heads on the served engine: the served tables' calibration.json,
+and shipping a pick into a heads folder. The statistics (Learn-then-Test, the tables, the
+threshold a table certifies) are `ee_jax.models.exit_threshold`; the `ee-jax calibrate`
+command drives both.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
-import numpy as np
-from scipy import stats
-
-from ee_jax.models import exits
-
-DEFAULT_GRID = tuple(np.round(np.arange(0.995, 0.0, -0.005), 3).tolist())  # safest first
-DEFAULT_DELTA = 0.1
-
-
-@dataclasses.dataclass(frozen=True)
-class CalibrationTable:
-    """Errors per candidate threshold on n calibration tokens; enough to pick a threshold for
-    any target agreement later (shipped with the heads as calibration.json)."""
-
-    thresholds: tuple[float, ...]  # safest (highest) first
-    errors: tuple[int, ...]  # tokens leaving with a token != full depth's, per threshold
-    exited: tuple[int, ...]  # tokens leaving early at all, per threshold
-    mean_layers: tuple[float, ...]  # mean executed layers per token, per threshold
-    n: int
-    cluster_sizes: tuple[int, ...] = ()  # tokens per cluster (empty: no clusters)
-    cluster_errors: tuple[tuple[int, ...], ...] = ()  # [threshold][cluster] errors
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> CalibrationTable:
-        return cls(tuple(d["thresholds"]), tuple(d["errors"]), tuple(d["exited"]),
-                   tuple(d["mean_layers"]), int(d["n"]), tuple(d.get("cluster_sizes", ())),
-                   tuple(tuple(e) for e in d.get("cluster_errors", ())))
-
-
-def check_target(target_agreement: float, delta: float = DEFAULT_DELTA) -> None:
-    if not 0.0 < target_agreement <= 1.0:
-        raise exits.ExitConfigError(f"target agreement must be in (0, 1] (a fraction of "
-                                    f"tokens equal to full depth), got {target_agreement}")
-    if not 0.0 < delta < 1.0:
-        raise exits.ExitConfigError(f"delta (the allowed failure probability) must be in "
-                                    f"(0, 1), got {delta}")
-
-
-def first_exit(confidence: np.ndarray, threshold: float, eligible: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """confidence [E, N] -> (leaves [N] bool, slot [N] int) of each token's first exit with
-    confidence >= threshold (slot meaningless where it does not leave)."""
-    ok = confidence >= threshold
-    if eligible is not None:
-        ok &= eligible[:, None]
-    return ok.any(axis=0), ok.argmax(axis=0)
-
-
-def calibration_table(confidence: np.ndarray, agree: np.ndarray, exit_layers, n_layers: int,
-                      grid=DEFAULT_GRID, min_exit_layer: int = 1,
-                      clusters: np.ndarray | None = None) -> CalibrationTable:
-    """confidence, agree: [E, N] per exit slot and calibration token; clusters [N]: each
-    token's cluster id (e.g. its packed row), for the cluster-robust test."""
-    conf, ok = np.asarray(confidence), np.asarray(agree, bool)
-    if conf.shape != ok.shape or conf.ndim != 2 or conf.shape[0] != len(exit_layers):
-        raise ValueError(f"confidence {conf.shape} and agree {ok.shape} must both be "
-                         f"[{len(exit_layers)} exits, N tokens]")
-    layers = np.asarray(exit_layers)
-    eligible = layers >= min_exit_layer
-    n = conf.shape[1]
-    grid = tuple(sorted((float(t) for t in grid), reverse=True))
-    if clusters is not None:
-        _, cid = np.unique(np.asarray(clusters), return_inverse=True)
-        if cid.shape != (n,):
-            raise ValueError(f"clusters must give one id per token ({n}), got {cid.shape}")
-    errors, exited, mean, by_cluster = [], [], [], []
-    for t in grid:
-        leaves, slot = first_exit(conf, t, eligible)
-        wrong = leaves & ~ok[slot, np.arange(n)]
-        errors.append(int(wrong.sum()))
-        exited.append(int(leaves.sum()))
-        mean.append(float(np.where(leaves, layers[slot], n_layers).mean()) if n else n_layers)
-        if clusters is not None:
-            by_cluster.append(tuple(np.bincount(cid, weights=wrong).astype(int).tolist()))
-    sizes = () if clusters is None else tuple(np.bincount(cid).tolist())
-    return CalibrationTable(grid, tuple(errors), tuple(exited), tuple(mean), n, sizes,
-                            tuple(by_cluster))
-
-
-def p_value(errors: int, n: int, eps: float) -> float:
-    """P(Binom(n, eps) <= errors): small when a risk above eps would rarely give so few
-    errors."""
-    if eps <= 0.0:
-        return 1.0
-    return float(stats.binom.cdf(errors, n, eps))
-
-
-def p_value_clustered(cluster_errors, cluster_sizes, eps: float) -> float:
-    """One-sided z-test of H: risk > eps for the ratio r = sum(errors) / sum(sizes) over k
-    clusters, with the cluster-robust variance k / (k - 1) * sum((e_c - r n_c)^2) / N^2
-    (tokens within a cluster may be correlated; clusters are independent). A normal
-    approximation: asymptotic in the number of clusters. With no spread in the errors the
-    variance is 0 and the binomial test alone decides (returns 0 or 1 by r < eps); with
-    fewer than 2 clusters nothing can be said (returns 1)."""
-    e = np.asarray(cluster_errors, float)
-    m = np.asarray(cluster_sizes, float)
-    k, total = len(m), m.sum()
-    if eps <= 0.0 or k < 2 or total == 0:
-        return 1.0
-    r = e.sum() / total
-    var = k / (k - 1) * np.sum((e - r * m) ** 2) / total**2
-    if var == 0.0:
-        return 0.0 if r < eps else 1.0
-    return float(stats.norm.cdf((r - eps) / np.sqrt(var)))
-
-
-def table_p_value(table: CalibrationTable, i: int, eps: float) -> float:
-    """The p-value of threshold i: the binomial one, or the larger of it and the
-    cluster-robust one when the table has clusters."""
-    p = p_value(table.errors[i], table.n, eps)
-    if table.cluster_sizes:
-        p = max(p, p_value_clustered(table.cluster_errors[i], table.cluster_sizes, eps))
-    return p
-
-
-def pick_threshold(table: CalibrationTable, target_agreement: float,
-                   delta: float = DEFAULT_DELTA) -> float:
-    """The lowest threshold fixed-sequence testing certifies (risk <= 1 - target with
-    probability >= 1 - delta); exits.NEVER when not even the safest one is certified."""
-    check_target(target_agreement, delta)
-    eps = 1.0 - target_agreement
-    chosen = exits.NEVER
-    for i, t in enumerate(table.thresholds):
-        if table_p_value(table, i, eps) > delta:
-            break
-        chosen = t
-    return chosen
-
-
-def pick_threshold_groups(tables: Mapping[str, CalibrationTable], target_agreement: float,
-                          delta: float = DEFAULT_DELTA) -> float:
-    """The highest of the groups' certified thresholds: each group (a kind of request:
-    instructions, code, everyday chat) then keeps risk <= 1 - target with probability
-    >= 1 - delta on its own, so a workload like any one group is covered, not only the
-    pooled mix (pooling let a large easy group hide a small hard one)."""
-    if not tables:
-        raise ValueError("no calibration groups to pick a threshold from")
-    return max(pick_threshold(t, target_agreement, delta) for t in tables.values())
-
-
-def threshold_from_json(cal: dict, target_agreement: float) -> float:
-    """The threshold a shipped calibration.json certifies for a target: per group when it
-    has groups (`pick_threshold_groups`), else on its one pooled table."""
-    delta = cal.get("delta", DEFAULT_DELTA)
-    if cal.get("groups"):
-        return pick_threshold_groups({k: CalibrationTable.from_json(v)
-                                      for k, v in cal["groups"].items()},
-                                     target_agreement, delta)
-    return pick_threshold(CalibrationTable.from_json(cal), target_agreement, delta)
-
+from ee_jax.models.exit_checkpoint import CALIBRATION, CONFIG
+from ee_jax.models.exit_config import BACKFILLS, ExitConfigError
+from ee_jax.models.exit_threshold import (
+    DEFAULT_DELTA,
+    CalibrationTable,
+    check_target,
+    pick_threshold,
+    pick_threshold_groups,
+    threshold_from_json,
+)
 
 SERVED_RULE = ("served: per group (instructions, code, everyday chat), Learn-then-Test on "
                "the engine's own errors with each calibration answer's full-depth tokens "
@@ -193,9 +36,9 @@ def served_calibration(tables: Mapping[str, CalibrationTable], target_agreement:
     `ExitConfig.backfill` the tables were served with (served agreement depends on it, so
     shipping the pick ships it too)."""
     check_target(target_agreement, delta)
-    if backfill is not None and backfill not in exits.BACKFILLS:
-        raise exits.ExitConfigError(f"unknown backfill {backfill!r}; choose one of "
-                                    f"{exits.BACKFILLS}")
+    if backfill is not None and backfill not in BACKFILLS:
+        raise ExitConfigError(f"unknown backfill {backfill!r}; choose one of "
+                                    f"{BACKFILLS}")
     picks = {g: pick_threshold(t, target_agreement, delta) for g, t in tables.items()}
     res = {"rule": SERVED_RULE, "measure": "served", "target_agreement": target_agreement,
            "delta": delta, "confidence": 1.0 - delta,
@@ -214,14 +57,9 @@ def ship_calibration(heads_dir, cal: dict) -> None:
     exit_config.json's threshold and target agreement (and back-fill, when `cal` records the
     one its tables were served with) become `cal`'s, so `load_exit_heads` serves them by
     default. The heads' arrays are not touched."""
-    import json
-    from pathlib import Path
-
-    from ee_jax.models.exit_checkpoint import CALIBRATION, CONFIG
-
     heads_dir = Path(heads_dir)
     if not (heads_dir / CONFIG).is_file():
-        raise exits.ExitConfigError(f"{heads_dir} holds no exit heads ({CONFIG} missing)")
+        raise ExitConfigError(f"{heads_dir} holds no exit heads ({CONFIG} missing)")
     if threshold_from_json(cal, cal["target_agreement"]) != cal["threshold"]:
         raise ValueError(f"calibration threshold {cal['threshold']} is not what its tables "
                          f"certify for target {cal['target_agreement']}")
@@ -240,89 +78,3 @@ def ship_calibration(heads_dir, cal: dict) -> None:
     if "backfill" in cal:
         meta["exit_config"]["backfill"] = cal["backfill"]
     (heads_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ee_jax.training.calibrate --config PRESET [--heads DIR]`: re-pick the
-    threshold of saved heads on the preset's calibration answers (the heads stay as they are).
-    With --served: measure served agreement instead (`tune.served_tables`), print the
-    per-group picks and write the tables to --out (with --tables: re-pick from served tables
-    already written, no decoding); with --ship also make that pick the heads' shipped
-    threshold and calibration.json (`ship_calibration`; the heads' arrays untouched)."""
-    import argparse
-    import json
-    import shlex
-    import sys
-    from pathlib import Path
-
-    from ee_jax.training.tune import TuneConfig, calibrate_heads
-
-    ap = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--heads", help="heads folder (default: the preset's output)")
-    ap.add_argument("--target-agreement", type=float)
-    ap.add_argument("--served", action="store_true",
-                    help="calibrate on served agreement (the engine, forced answers)")
-    ap.add_argument("--thresholds", type=float, nargs="+",
-                    default=[0.995, 0.99, 0.985, 0.98, 0.975, 0.97, 0.96])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--out", default="runs/served_calibration.json")
-    ap.add_argument("--tables", help="with --served: served tables written before (an --out "
-                                     "file); re-pick from them instead of decoding")
-    ap.add_argument("--backfill", choices=exits.BACKFILLS,
-                    help="with --served: serve the answers with this back-fill (default: the "
-                         "heads' own)")
-    ap.add_argument("--ship", action="store_true",
-                    help="with --served: write the pick into the heads folder (calibration.json "
-                         "and exit_config.json's threshold)")
-    a = ap.parse_args(argv)
-    if (a.tables or a.ship) and not a.served:
-        ap.error("--tables and --ship go with --served")
-    tc = TuneConfig.from_yaml(a.config, target_agreement=a.target_agreement)
-    heads_dir = a.heads or tc.output
-    if a.served:
-        command = "python -m ee_jax.training.calibrate " + shlex.join(
-            sys.argv[1:] if argv is None else argv)
-        if a.tables:
-            saved = json.loads(Path(a.tables).read_text())
-            tables = {g: CalibrationTable.from_json(t) for g, t in saved["groups"].items()}
-            command += f" (tables made by: {saved.get('command', 'unrecorded')})"
-            backfill = saved.get("backfill")
-        else:
-            from ee_jax.models.exit_checkpoint import load_exit_heads
-            from ee_jax.models.loading import load_model
-            from ee_jax.training.tune import calibration_answers, served_tables
-
-            model = load_model(tc.model, dtype="float32", progress=False)
-            ec, heads = load_exit_heads(heads_dir, model.config)
-            if a.backfill:
-                ec = dataclasses.replace(ec, backfill=a.backfill)
-            tables = served_tables(model, ec, heads, calibration_answers(tc, model),
-                                   a.thresholds, batch=a.batch)
-            backfill = ec.backfill
-        res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command,
-                                 backfill)
-        if not a.tables:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-        if a.ship:
-            ship_calibration(heads_dir, res)
-        for g, t in tables.items():
-            print(g, "n", t.n, " ".join(f"{th}:{e / t.n:.4f}/{m:.2f}" for th, e, m in
-                                       zip(t.thresholds, t.errors, t.mean_layers,
-                                           strict=True)))
-        print(json.dumps({k: res[k] for k in ("threshold", "picks", "target_agreement")}))
-        return 0
-    from ee_jax.models.loading import load_model
-
-    model = load_model(tc.model, dtype="float32", progress=False)
-    cal = calibrate_heads(tc, model, heads_dir)
-    print(json.dumps({"threshold": cal["threshold"], "target_agreement": cal["target_agreement"],
-                      "delta": cal["delta"], "n": cal["n"],
-                      "groups": {k: {"n": g["n"], "threshold": g["threshold"]}
-                                 for k, g in cal.get("groups", {}).items()}}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,8 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ee_jax.models import exits, llama
+from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class LossWeights:
 def _one_exit(params, head, h, logp_final, top_final, targets, cfg: ModelConfig):
     """Losses of one exit. head: that exit's slice of the heads tree; h: [B, T, D]."""
     one = jax.tree.map(lambda a: a[None], head)  # the serving functions index slot 0
-    logp = jax.nn.log_softmax(exits.exit_logits(params, one, 0, h, cfg), axis=-1)  # [B, T, V]
+    logp = jax.nn.log_softmax(exit_heads.exit_logits(params, one, 0, h, cfg), axis=-1)  # [B, T, V]
     kl = jnp.sum(jnp.exp(logp_final) * (logp_final - logp), axis=-1)  # [B, T]
     ce = -jnp.take_along_axis(logp[:, :-1], targets[..., None], axis=-1)[..., 0]  # [B, T-1]
     top = jnp.argmax(logp, axis=-1)
@@ -41,7 +42,7 @@ def _one_exit(params, head, h, logp_final, top_final, targets, cfg: ModelConfig)
     metrics = {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
     if "classifier" in head:
         frozen = dict(one, norm=jax.lax.stop_gradient(one["norm"]))
-        conf_logit = exits.classifier_logit(frozen, 0, h, cfg)
+        conf_logit = exit_checks.classifier_logit(frozen, 0, h, cfg)
         bce = jnp.mean(jnp.logaddexp(0.0, conf_logit) - agree * conf_logit)  # stable BCE
         metrics["bce"] = bce
         metrics["cls_acc"] = jnp.mean((conf_logit > 0) == (agree > 0.5))
@@ -49,7 +50,7 @@ def _one_exit(params, head, h, logp_final, top_final, targets, cfg: ModelConfig)
 
 
 def exit_losses(heads, params: llama.Params, tokens: jax.Array, cfg: ModelConfig,
-                ec: exits.ExitConfig, w: LossWeights, remat: bool = True):
+                ec: ExitConfig, w: LossWeights, remat: bool = True):
     """(scalar loss, metrics {name: [E]}) for a packed batch tokens [B, T]."""
     final_logits, hidden = llama.forward(params, tokens, cfg, return_hidden=True)
     final_logits, hidden = jax.lax.stop_gradient((final_logits, hidden))
@@ -79,29 +80,29 @@ def restricted_kl(teacher: jax.Array, student: jax.Array, valid: jax.Array) -> j
     """KL(p_teacher || p_student) with both distributions renormalised over the valid ids of
     a restricted vocabulary: teacher, student [..., S] logits at the same ids, valid [S].
     With every id of the vocabulary valid it is the full KL."""
-    t = jax.nn.log_softmax(jnp.where(valid, teacher, exits.MASKED), axis=-1)
-    s = jax.nn.log_softmax(jnp.where(valid, student, exits.MASKED), axis=-1)
+    t = jax.nn.log_softmax(jnp.where(valid, teacher, exit_heads.MASKED), axis=-1)
+    s = jax.nn.log_softmax(jnp.where(valid, student, exit_heads.MASKED), axis=-1)
     return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
 
 
 def restricted_exit_losses(heads, params: llama.Params, hs: jax.Array, final_normed: jax.Array,
                            vocab_ids: jax.Array, valid: jax.Array, target_pos: jax.Array,
-                           cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
+                           cfg: ModelConfig, ec: ExitConfig, w: LossWeights):
     """(scalar loss, metrics {name: [E]}) from cached frozen-backbone states: hs [E, B, T, D]
     (hidden state at each exit), final_normed [B, T, D] (the final norm's output), over the
     restricted vocabulary vocab_ids [S] (valid [S]; the teacher's top-k at every position
     united with the real next tokens); target_pos [B, T-1] indexes each next token in
     vocab_ids. Logits cost S x D per position instead of V x D."""
-    teacher = exits.unembed_rows(params, final_normed, vocab_ids, cfg)  # [B, T, S]
-    t_top = jnp.argmax(jnp.where(valid, teacher, exits.MASKED), axis=-1)
+    teacher = exit_heads.unembed_rows(params, final_normed, vocab_ids, cfg)  # [B, T, S]
+    t_top = jnp.argmax(jnp.where(valid, teacher, exit_heads.MASKED), axis=-1)
 
     def body(_, xs):
         head, h = xs
         one = jax.tree.map(lambda a: a[None], head)
-        hn = exits.exit_hidden(one, 0, h.astype(final_normed.dtype), cfg)
-        student = exits.unembed_rows(params, hn, vocab_ids, cfg)  # [B, T, S]
+        hn = exit_heads.exit_hidden(one, 0, h.astype(final_normed.dtype), cfg)
+        student = exit_heads.unembed_rows(params, hn, vocab_ids, cfg)  # [B, T, S]
         kl = restricted_kl(teacher, student, valid)
-        logp = jax.nn.log_softmax(jnp.where(valid, student, exits.MASKED), axis=-1)
+        logp = jax.nn.log_softmax(jnp.where(valid, student, exit_heads.MASKED), axis=-1)
         ce = -jnp.take_along_axis(logp[:, :-1], target_pos[..., None], axis=-1)[..., 0]
         agree = (jnp.argmax(logp, axis=-1) == t_top).astype(jnp.float32)
         return None, {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from ee_jax.models.loading import LoadedModel
+from ee_jax.serving.llm import LLM
+from ee_jax.serving.params import SamplingParams
 
 
 def self_generate(model: LoadedModel, items: list[tuple[str, str]], *, max_tokens: int,
@@ -19,9 +21,6 @@ def self_generate(model: LoadedModel, items: list[tuple[str, str]], *, max_token
                   ) -> list[list[int]]:
     """items: (kind, text) with kind "chat" (wrapped in the chat template) or "code" (raw).
     Returns prompt + greedy answer token ids per item, in order."""
-    from ee_jax.serving.llm import LLM
-    from ee_jax.serving.params import SamplingParams
-
     done: dict[tuple[str, str], list[int]] = {}
     if cache is not None and cache.exists():
         for line in cache.read_text(encoding="utf-8").splitlines():

@@ -15,7 +15,6 @@ never differentiated: after tuning they are bit-identical to what was loaded.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -27,132 +26,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import exits
+from ee_jax.models import exit_heads, exit_threshold
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.loading import load_model
+from ee_jax.serving.llm import LLM
+from ee_jax.serving.params import SamplingParams
+from ee_jax.training import cached as C
 from ee_jax.training import data
+from ee_jax.training.backfill_fit import fit_from_rows
 from ee_jax.training.losses import LossWeights, exit_losses
-
-
-class TuneConfigError(EEJaxError, ValueError):
-    """A tuning configuration that cannot run."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneConfig:
-    """Everything a tuning run depends on; a YAML preset fills it (`from_yaml`)."""
-
-    model: str = "smollm2-135m-instruct"
-    # heads
-    exit_layers: tuple[int, ...] = (6, 9, 12, 15, 18, 21, 24, 27)
-    head: str = "mlp"
-    adapter_rank: int = 256
-    measure: str = "classifier"
-    threshold: float = 0.8  # default threshold stored with the heads
-    min_exit_layer: int = 1
-    # data
-    seq_len: int = 256
-    chat_instructions: int = 160  # train instructions the model answers itself
-    code_prompts: int = 160  # stdlib function headers the model completes itself
-    everyday_train: int = 0  # everyday chat requests ("train" split) the model answers itself
-    gen_max_tokens: int = 96
-    gen_batch: int = 32
-    stdlib_tokens: int = 40_000  # raw standard-library source, tokens
-    eval_sequences: int = 8  # held-out stdlib sequences scored at the end
-    # optimisation
-    batch_size: int = 2
-    epochs: int = 1
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    kl_weight: float = 1.0
-    ce_weight: float = 0.1
-    classifier_weight: float = 1.0
-    remat: bool = False  # recompute each exit's logits in the backward pass (less memory)
-    seed: int = 0
-    # method "cached" (issue #12)
-    method: str = "full"  # "full" | "cached"
-    vocab_subset: int = 0  # K: exit heads score the K most frequent ids (0: all)
-    candidates: int = 8  # measure "candidates": tokens later checks score
-    kl_vocab: int = 4096  # restricted vocabulary per batch (real next tokens + teacher top-k)
-    teacher_topk: int = 16
-    calib_instructions: int = 0  # held-apart ("calib" split) instructions the model answers
-    calib_code_prompts: int = 0
-    calib_everyday: int = 0  # held-apart everyday chat requests (`data.everyday_requests`)
-    target_agreement: float = 0.95
-    calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
-    backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
-    decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
-    decision_steps: int = 400
-    # output
-    work_dir: str = "runs/tune-smollm2-135m"
-    output: str = "runs/tune-smollm2-135m/exit_heads"
-    checkpoint_every: int = 20
-    max_steps: int | None = None  # cap (tests, smoke runs)
-
-    def __post_init__(self):
-        object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
-        for name in ("seq_len", "batch_size", "epochs", "gen_batch", "adapter_rank"):
-            if getattr(self, name) <= 0:
-                raise TuneConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise TuneConfigError(f"lr must be positive, got {self.lr}")
-        if self.method not in ("full", "cached"):
-            raise TuneConfigError(f"method must be 'full' or 'cached', got {self.method!r}")
-        if self.method == "cached" and self.measure == "classifier":
-            raise TuneConfigError("method 'cached' trains decision MLPs (measure "
-                                  "'candidates') or none (a vocabulary measure); the "
-                                  "classifier needs method 'full'")
-        if self.method == "full" and (self.vocab_subset or self.measure == "candidates"):
-            raise TuneConfigError("vocab_subset and measure 'candidates' need method 'cached'")
-        if not 0.0 < self.target_agreement <= 1.0:
-            raise TuneConfigError(f"target_agreement must be in (0, 1], got "
-                                  f"{self.target_agreement}")
-        if self.backfill not in exits.BACKFILLS:
-            raise TuneConfigError(f"backfill must be one of {exits.BACKFILLS}, got "
-                                  f"{self.backfill!r}")
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise TuneConfigError(f"tuning config not found: {path}")
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        if not isinstance(raw, dict):
-            raise TuneConfigError(f"{path}: expected a mapping of settings")
-        raw.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise TuneConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-        return cls(**raw)
-
-    def exit_config(self) -> exits.ExitConfig:
-        return exits.ExitConfig(exit_layers=self.exit_layers, head=self.head,
-                                measure=self.measure, threshold=self.threshold,
-                                min_exit_layer=self.min_exit_layer,
-                                adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
-                                candidates=self.candidates,
-                                target_agreement=self.target_agreement,
-                                backfill=self.backfill)
-
-    def loss_weights(self) -> LossWeights:
-        return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)
-
-    def data_key(self) -> str:
-        keys = ("model", "seq_len", "chat_instructions", "code_prompts", "gen_max_tokens",
-                "stdlib_tokens", "eval_sequences", "seed", "calib_instructions",
-                "calib_code_prompts")
-        d = {k: getattr(self, k) for k in keys}
-        # absent when 0, so that older presets keep their cached data
-        d.update({k: getattr(self, k) for k in ("calib_everyday", "everyday_train")
-                  if getattr(self, k)})
-        blob = json.dumps(d, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+from ee_jax.training.selfgen import self_generate
+from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
 
 def _log(msg: str) -> None:
@@ -177,8 +66,8 @@ def make_optimizer(tc: TuneConfig, total_steps: int) -> optax.GradientTransforma
                        optax.adamw(schedule, weight_decay=tc.weight_decay, mask=decay_mask))
 
 
-def make_train_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights,
-                    opt: optax.GradientTransformation, remat: bool):
+def make_train_step(cfg: ModelConfig, ec: ExitConfig, w: LossWeights,
+              opt: optax.GradientTransformation, remat: bool):
     def step(heads, opt_state, params, tokens):
         (loss, m), grads = jax.value_and_grad(exit_losses, has_aux=True)(
             heads, params, tokens, cfg, ec, w, remat)
@@ -188,7 +77,7 @@ def make_train_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights,
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval_step(cfg: ModelConfig, ec: exits.ExitConfig, w: LossWeights):
+def make_eval_step(cfg: ModelConfig, ec: ExitConfig, w: LossWeights):
     return jax.jit(lambda heads, params, tokens: exit_losses(heads, params, tokens, cfg, ec, w,
                                                              True))
 
@@ -201,8 +90,6 @@ def build_data(tc: TuneConfig, model, progress: bool = True) -> tuple[np.ndarray
     settings. Train: self-generated answers (instructions, everyday requests) and code
     completions + stdlib source;
     eval: held-out stdlib source."""
-    from ee_jax.training.selfgen import self_generate
-
     work = Path(tc.work_dir)
     cached = work / f"data-{tc.data_key()}.npz"
     if cached.exists():
@@ -251,8 +138,6 @@ def calibration_answers(tc: TuneConfig, model, progress: bool = True
                         ) -> dict[str, list[tuple[list[int], list[int]]]]:
     """The model's own full-depth answers to the "calib" split, per group ("instructions",
     "code", "everyday"): {group: [(prompt ids, answer ids)]}."""
-    from ee_jax.training.selfgen import self_generate
-
     wanted = {"instructions": [("chat", s) for s in data.instructions(
                   "calib", tc.calib_instructions, tc.seed)] if tc.calib_instructions else [],
               "code": [("code", s) for s in data.code_prompts(
@@ -296,18 +181,14 @@ def calibration_rows(tc: TuneConfig, model, progress: bool = True) -> CalibSet:
     return out
 
 
-def served_tables(model, ec: exits.ExitConfig, heads, answers, thresholds, *,
-                  batch: int = 32, progress: bool = True) -> dict:
+def served_tables(model, ec: ExitConfig, heads, answers, thresholds, *,
+            batch: int = 32, progress: bool = True) -> dict:
     """Calibration tables of served agreement: every answer decoded by the engine with its
     full-depth tokens forced (`SamplingParams.forced_tokens`) once per threshold (a
     per-request `exit_threshold`; policy per_row and no mixed steps, so each row decides
     alone at every token, as at batch 1), an error where the engine's own token differs.
     Unlike the dense tables this counts what back-filled K/V does to later tokens.
     answers: {group: [(prompt, answer)]} -> {group: CalibrationTable} (clusters: answers)."""
-    from ee_jax.serving.llm import LLM
-    from ee_jax.serving.params import SamplingParams
-    from ee_jax.training import calibrate
-
     L = model.config.n_layers
     grid = tuple(sorted((float(t) for t in thresholds), reverse=True))
     jobs = [(g, i, t) for g, pairs in answers.items() for i, (_, a) in enumerate(pairs)
@@ -336,7 +217,7 @@ def served_tables(model, ec: exits.ExitConfig, heads, answers, thresholds, *,
         items = sorted(by_t[grid[0]])
         sizes = tuple(by_t[grid[0]][i][1] for i in items)
         n = sum(sizes)
-        tables[g] = calibrate.CalibrationTable(
+        tables[g] = exit_threshold.CalibrationTable(
             grid, tuple(sum(by_t[t][i][0] for i in items) for t in grid),
             tuple(sum(by_t[t][i][2] for i in items) for t in grid),
             tuple(sum(by_t[t][i][3] for i in items) / n for t in grid), n, sizes,
@@ -349,8 +230,6 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
     """Refit only the threshold of saved heads (measure "candidates") on the calibration
     answers (`calib`, else the preset's `calibration_rows`), and rewrite their
     exit_config.json and calibration.json; the heads themselves stay as they are."""
-    from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-
     cfg, params = model.config, model.params
     ec, heads = load_exit_heads(heads_dir, cfg)
     if ec.measure != "candidates":
@@ -366,7 +245,11 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
                              target_agreement=tc.target_agreement)
     record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
     kept = record.read_text() if record.is_file() else None
-    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal)
+    maps_info = json.loads((Path(heads_dir) / "exit_config.json").read_text()).get(
+        "backfill_maps")  # how the maps were fitted: kept too
+    if maps_info:
+        maps_info = {k: v for k, v in maps_info.items() if k != "file"}
+    save_exit_heads(heads_dir, cfg, ec, heads, calibration=cal, maps_info=maps_info)
     if kept is not None:
         record.write_text(kept)
     return cal
@@ -377,10 +260,7 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
     """Per group: the decision's confidence and correctness at every exit and scored
     position, its table (clustered by packed row: an answer's tokens are correlated) and
     certified threshold; the shipped threshold is the groups' highest
-    (`calibrate.pick_threshold_groups`). A pooled table is kept for reference."""
-    from ee_jax.training import cached as C
-    from ee_jax.training import calibrate
-
+    (`exit_threshold.pick_threshold_groups`). A pooled table is kept for reference."""
     confs, agrees, groups = [], [], {}
     for group, (rows, scored) in calib.items():
         if not scored.any():
@@ -392,10 +272,10 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
         keep = scored.reshape(-1)
         conf, agree = C.confidences(heads, cf[:, keep]), ca[:, keep]
         rows_of = np.repeat(np.arange(len(rows)), rows.shape[1])[keep]  # cluster: packed row
-        table = calibrate.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
-                                            min_exit_layer=ec.min_exit_layer,
-                                            clusters=rows_of)
-        thr = calibrate.pick_threshold(table, tc.target_agreement, tc.calib_delta)
+        table = exit_threshold.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
+                                                 min_exit_layer=ec.min_exit_layer,
+                                                 clusters=rows_of)
+        thr = exit_threshold.pick_threshold(table, tc.target_agreement, tc.calib_delta)
         groups[group] = {"threshold": thr,
                          "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),
                          **table.to_json()}
@@ -407,10 +287,10 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
              + ("" if i is None else f" ({table.errors[i]} errors, mean layers "
                 f"{table.mean_layers[i]:.2f})"))
     conf, agree = np.concatenate(confs, axis=1), np.concatenate(agrees, axis=1)
-    pooled = calibrate.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
-                                         min_exit_layer=ec.min_exit_layer)
-    thr = calibrate.pick_threshold_groups(
-        {g: calibrate.CalibrationTable.from_json(v) for g, v in groups.items()},
+    pooled = exit_threshold.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
+                                              min_exit_layer=ec.min_exit_layer)
+    thr = exit_threshold.pick_threshold_groups(
+        {g: exit_threshold.CalibrationTable.from_json(v) for g, v in groups.items()},
         tc.target_agreement, tc.calib_delta)
     _log(f"calibrated threshold {thr} (the highest of the groups')")
     return {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
@@ -447,7 +327,7 @@ def _restore(mngr, like: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
 @dataclasses.dataclass
 class TuneResult:
     heads: dict
-    exit_config: exits.ExitConfig
+    exit_config: ExitConfig
     steps: int
     history: list[dict]
     eval_metrics: dict[str, list[float]]
@@ -461,11 +341,6 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
     """Run (or resume) a tuning run. `model` (a LoadedModel) and the data arrays may be
     given directly (tests); otherwise they come from `tc`."""
     import orbax.checkpoint as ocp
-    from tqdm.auto import tqdm
-
-    from ee_jax.models.exit_checkpoint import save_exit_heads
-    from ee_jax.models.loading import load_model
-
     t_start = time.perf_counter()
     if model is None:
         model = load_model(tc.model, dtype="float32", progress=progress)
@@ -484,7 +359,7 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
     total = steps_per_epoch * tc.epochs  # the schedule's length
     stop = total if tc.max_steps is None else min(total, tc.max_steps)  # an early stop only
     opt = make_optimizer(tc, total)
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
     opt_state = opt.init(heads)
     work = Path(tc.work_dir)
     history: list[dict] = []
@@ -568,9 +443,6 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     """Method "cached" (issue #12; `ee_jax.training.cached`): backbone once, heads on the
     cache with restricted-vocabulary KL, then vocabulary subset, decision MLPs and the
     calibrated threshold. No mid-run checkpoints: the cache makes a run short."""
-    from ee_jax.models.exit_checkpoint import save_exit_heads
-    from ee_jax.training import cached as C
-
     cfg, params = model.config, model.params
     ec = tc.exit_config()
     ec.validate_for(cfg)
@@ -596,12 +468,12 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     marks["cache_s"] = time.perf_counter() - t0
     _log(f"cached {train.size} tokens at {len(ec.exit_layers)} exits in "
          f"{marks['cache_s']:.0f}s")
-    heads = exits.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
     fill = C.vocab_subset(train, cache["top"][..., 0], cfg.vocab_size, cfg.vocab_size)
     if ec.vocab_subset:
         ids = fill[:ec.vocab_subset]
-        heads = exits.attach_vocab_subset(
-            heads, exits.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
+        heads = exit_heads.attach_vocab_subset(
+            heads, exit_heads.VocabSubset(ids, tc.model, cfg.vocab_size), cfg, tc.model)
         if held_out is not None and len(held_out):
             marks["subset_coverage_held_out"] = C.coverage(ids, held_out)
         if len(calib_rows):
@@ -620,6 +492,16 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         work.mkdir(parents=True, exist_ok=True)
         with (work / "loss.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
+    maps_info = None
+    if tc.backfill_rank:  # before calibration: served calibration may use them
+        t0 = time.perf_counter()
+        n_rows = max(1, min(len(train), tc.backfill_tokens // train.shape[1]))
+        fitter = fit_from_rows(cfg, params, ec.exit_layers, train[:n_rows], progress=progress)
+        heads = dict(heads, backfill=fitter.solve(tc.backfill_rank, tc.backfill_ridge))
+        marks["backfill_maps_s"] = time.perf_counter() - t0
+        maps_info = {"rank": tc.backfill_rank, "ridge": tc.backfill_ridge,
+                     "fit_tokens": int(fitter.n), "fit_data": "training rows (dense forward)"}
+        _log(f"back-fill maps: rank {tc.backfill_rank} fitted on {fitter.n} tokens")
     calibration = None
     if ec.measure == "candidates":
         t0 = time.perf_counter()
@@ -640,7 +522,8 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     out = None
     if save:
         extra = {"calibration": calibration, "timings_s": marks}
-        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration)
+        out = save_exit_heads(tc.output, cfg, ec, heads, calibration=calibration,
+                              maps_info=maps_info)
         (Path(tc.output) / "tune_config.json").write_text(
             json.dumps(dict(dataclasses.asdict(tc), run=extra), indent=2) + "\n")
         _log(f"exit heads -> {out}")

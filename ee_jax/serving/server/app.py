@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ee_jax.errors import TokenizationError
 from ee_jax.models.tokenizer import ChatTemplateError
 from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
@@ -194,9 +195,8 @@ class _State:
     def encode(self, text: str, field: str) -> list[int]:
         try:
             return list(self.tokenizer.encode(text))
-        except (TypeError, ValueError, UnicodeError) as e:
-            raise ApiError(400, f"the {field} cannot be tokenized ({e}); send valid Unicode "
-                           f"text (no lone surrogates)", field) from None
+        except TokenizationError as e:
+            raise ApiError(400, f"the {field} cannot be tokenized: {e}", field) from None
 
     # -- one HTTP request ----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Literal
 from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
 from ee_jax.serving.server.metrics import ServerMetrics
+from ee_jax.serving.stats import exit_summary
 
 
 @dataclasses.dataclass
@@ -69,6 +70,7 @@ class EngineLoop:
         s = engine.stats
         self._preemptions, self._compiles = s.num_preemptions, s.num_compiles
         self._compile_time = s.compile_time
+        self._decode_steps = -1
 
     # -- any thread --------------------------------------------------------------------
 
@@ -205,6 +207,11 @@ class EngineLoop:
         self._compile_time = stats.compile_time
         self.metrics.pages_used.set(self.engine.blocks.num_used_pages)
         self.metrics.running.set(self.engine.num_unfinished_requests)
+        if stats.num_decode_steps != self._decode_steps:  # the exit figures moved
+            self._decode_steps = stats.num_decode_steps
+            ex = exit_summary(stats, self.engine.model_config, self.engine.exit_config)
+            self.metrics.ideal_speedup.set(ex["ideal"])
+            self.metrics.work_fraction.set(ex["work_fraction"])
 
 
 def _send(sink: Sink, event: Event) -> None:

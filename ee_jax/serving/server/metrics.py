@@ -54,6 +54,13 @@ class ServerMetrics:
                                 registry=r)
         self.compile_seconds = Counter("eejax_compile_seconds", "Time spent in steps that "
                                        "compiled", registry=r)
+        # From the one exit summary (`ee_jax.serving.stats.exit_summary`), as the CLI prints it.
+        self.ideal_speedup = Gauge("eejax_ideal_speedup", "(L + head) / mean cost per decoded "
+                                   "token, heads and exit checks counted in layer-equivalents: "
+                                   "the ceiling early exit sets for the served speed-up",
+                                   registry=r)
+        self.work_fraction = Gauge("eejax_work_fraction", "Layers x rows computed by decode "
+                                   "steps / the same steps at full depth", registry=r)
         self.running = Gauge("eejax_requests_in_engine", "Requests in the engine (running or "
                              "waiting)", registry=r)
         self._lock = threading.Lock()

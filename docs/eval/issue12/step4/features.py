@@ -17,7 +17,8 @@ from ee_jax.models.loading import load_model
 from ee_jax.training import cached as C
 from ee_jax.training import data
 from ee_jax.training.selfgen import self_generate
-from ee_jax.training.tune import TuneConfig, calibration_rows
+from ee_jax.training.tune import calibration_rows
+from ee_jax.training.tune_config import TuneConfig
 
 T = 256
 OUT = Path("runs/step4")

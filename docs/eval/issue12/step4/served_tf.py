@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, ".")
 from bench.common import exit_summary, serve
-from bench.per_row import agreement, forced_params, make_llm
+from bench.common import agreement, forced_params, make_llm
 from bench.shipped_exits import split_agreement, workload_prompts
 from ee_jax.models.loading import load_model
 from ee_jax.serving.params import greedy

@@ -14,9 +14,9 @@ import numpy as np
 import optax
 
 sys.path.insert(0, ".")
-from ee_jax.models import exits
+from ee_jax.models import exit_cost
 from ee_jax.models.loading import load_model
-from ee_jax.training import calibrate
+from ee_jax.models import exit_threshold
 
 LAYERS = np.arange(16, 30)
 L = 30
@@ -118,8 +118,8 @@ def table_of(d, f, a, m, clusters, use_prev):
                                     weights=wrong[m], minlength=k).astype(int).tolist()))
     sizes = tuple(np.bincount(np.broadcast_to(clusters[:, None], m.shape)[m],
                               minlength=k).tolist())
-    return calibrate.CalibrationTable(GRID, tuple(errors), tuple(exited), tuple(mean),
-                                      int(m.sum()), sizes, tuple(by))
+    return exit_threshold.CalibrationTable(GRID, tuple(errors), tuple(exited), tuple(mean),
+                                           int(m.sum()), sizes, tuple(by))
 
 
 def main():
@@ -127,7 +127,7 @@ def main():
     S = lambda name: (z[f"{name}_f"], z[f"{name}_a"], z[f"{name}_m"], z[f"{name}_c"])  # noqa
     model = load_model("smollm2-135m-instruct", dtype="float32", progress=False)
     ec, heads = model.shipped_exit_heads()
-    cost = exits.cost_model(model.config, ec)
+    cost = exit_cost.cost_model(model.config, ec)
     shipped = shipped_params(heads)
     from ee_jax.training import cached as C
     x = np.random.default_rng(1).normal(size=(14, 50, 9)).astype(np.float32)
@@ -165,7 +165,7 @@ def main():
     groups = [k[4:-2] for k in z.files if k.startswith("cal-") and k.endswith("_f")]
     for vname, (d, prev) in variants.items():
         tables = {g: table_of(d, *S(f"cal-{g}"), prev) for g in groups}
-        picks = {g: calibrate.pick_threshold(t, TARGET, 0.1) for g, t in tables.items()}
+        picks = {g: exit_threshold.pick_threshold(t, TARGET, 0.1) for g, t in tables.items()}
         thr = max(picks.values())
         r = {"picks": picks, "threshold": thr, "eval": {}}
         for w in ("instructions", "humaneval", "chat"):

@@ -1,0 +1,204 @@
+"""Early-exit configuration: `ExitConfig` (jit-static), its vocabularies of names, and errors.
+
+An *exit layer* `e` means "after `e` decoder layers have run" (1 <= e < n_layers); the full
+model is exit `n_layers`. The heads these settings describe live in `exit_heads`, the
+confidence checks in `exit_checks`, the per-token cost in `exit_cost`.
+
+Policies: "all" (the paper's batch-wide rule), "quorum", "never", and "per_row": every row
+leaves at its own first confident exit and takes that exit's head, while the rows still
+running are compacted into smaller row buckets (`ee_jax.serving.step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from ee_jax.errors import EEJaxError
+from ee_jax.models.config import ModelConfig
+
+HeadType = Literal["norm", "adapter", "mlp"]
+Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
+Policy = Literal["all", "quorum", "never", "per_row"]
+Backfill = Literal["propagate", "deferred", "learned"]
+MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
+VOCAB_MEASURES = ("max_prob", "margin", "entropy")
+HEADS = ("norm", "adapter", "mlp")
+POLICIES = ("all", "quorum", "never", "per_row")
+BACKFILLS = ("propagate", "deferred", "learned")
+# The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
+# calibrated under: each row leaves at its own first confident exit. Under "all" a batch waits
+# for its least confident row, so at a faithful threshold it almost never leaves (the CLI
+# demo's 4 rows: 0 of 149 under "all", 21 per row); at batch 1 the two are the same. Where
+# the checks still do not pay, the engine's controller runs full depth (serving.controller).
+SERVING_POLICY = "per_row"
+NEVER = float("inf")  # a threshold no confidence reaches: exits checked but never taken
+N_FEATURES = 9  # candidate features per check (`candidate_features`)
+DECISION_HIDDEN = 16  # width of the per-exit decision MLP
+
+
+class ExitConfigError(EEJaxError, ValueError):
+    """An early-exit configuration that cannot work with this model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """Static early-exit settings (jit-static, hashable).
+
+    threshold: a row is confident at an exit when its confidence >= threshold; must lie in
+    [0, 1] (use policy "never" to switch exits off). Per-request thresholds override it.
+    A row that was confident at some exit check is *done* from then on (it would have
+    left there on its own), so the batch exit layer under policy "all" (the paper's rule)
+    is the latest of the active rows' first confident exits; under policy "quorum" the
+    batch leaves once at least `quorum` of the active rows are done (faster, lossier: the
+    rest take the exit head's token although they were not confident). Under policy
+    "per_row" each row leaves at its own first confident exit and takes that exit's head; the
+    step ends when every active row has left. Exits below `min_exit_layer` are never taken
+    (saturation still records the hidden state there).
+    min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
+    into (buckets are B, B/2, ..., min_row_bucket). On accelerators a layer over one row
+    costs about what it costs over eight (weight reads dominate), so raising it there saves
+    compile time and gathers for nothing lost.
+    force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
+    vocab_subset: K > 0 — exit heads score only the K token ids in `heads["vocab"]` (logits of
+    every other id are MASKED); 0 — the whole vocabulary.
+    candidates: measure "candidates" only — how many of the first check's top tokens later
+    checks score.
+    target_agreement: the teacher-forced agreement with full depth that the shipped threshold
+    was calibrated to meet (`ee_jax.models.exit_threshold`); in (0, 1].
+    backfill: what the skipped layers of a token that left early hold. "deferred" (the
+    default): K/V projected from its exit state at once, then the row's next decode step
+    runs the token's skipped layers for real beside its own token (one more query per row in
+    the layers above the exit, where the weights are read anyway) and overwrites them with
+    the exact K/V; later tokens then see what full depth would have written, unless that
+    next token leaves early too (the older token then keeps the K/V of its deepest state) or
+    the row's next step is a prefill step (mixed steps run decode rows at full depth and
+    drop what they complete). "propagate" (CALM's state propagation, the reference design's
+    fill): the projected K/V, for good; on SmolLM2 they cost later tokens 3-12x more
+    agreement with full depth (docs/benchmarks.md). "learned": propagate's cost (the
+    skipped layers are never run) with fitted maps correcting the projected K/V towards full
+    depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
+    Deferred saves no layer (DESIGN section 5: a step with a pending token runs every
+    layer); propagate and learned do.
+    """
+
+    exit_layers: tuple[int, ...] = ()
+    head: HeadType = "norm"
+    measure: Measure = "max_prob"
+    threshold: float = 0.9
+    min_exit_layer: int = 1
+    policy: Policy = "all"
+    quorum: float = 0.75
+    adapter_rank: int = 64
+    force_exit_layer: int | None = None
+    min_row_bucket: int = 1
+    vocab_subset: int = 0
+    candidates: int = 8
+    target_agreement: float = 0.95
+    backfill: Backfill = "deferred"
+
+    def __post_init__(self):
+        object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
+        if list(self.exit_layers) != sorted(set(self.exit_layers)):
+            raise ExitConfigError(f"exit_layers must be strictly increasing, got "
+                                  f"{self.exit_layers}")
+        if self.head not in HEADS:
+            raise ExitConfigError(f"unknown exit head {self.head!r}; choose one of {HEADS}")
+        if self.measure not in MEASURES:
+            raise ExitConfigError(f"unknown confidence measure {self.measure!r}; choose one "
+                                  f"of {MEASURES}")
+        if self.policy not in POLICIES:
+            raise ExitConfigError(f"unknown exit policy {self.policy!r}; choose one of "
+                                  f"{POLICIES}")
+        if not (0.0 <= self.threshold <= 1.0 or self.threshold == NEVER):
+            raise ExitConfigError(f"threshold must be in [0, 1] (or exit_config.NEVER), got "
+                                  f"{self.threshold}; to disable exits use policy='never'")
+        if self.backfill not in BACKFILLS:
+            raise ExitConfigError(f"unknown backfill {self.backfill!r}; choose one of "
+                                  f"{BACKFILLS}")
+        if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
+            raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
+                                  f"{self.min_row_bucket!r}")
+        if not (isinstance(self.vocab_subset, int) and self.vocab_subset >= 0):
+            raise ExitConfigError(f"vocab_subset must be an integer >= 0 (0: the whole "
+                                  f"vocabulary), got {self.vocab_subset!r}")
+        if not (isinstance(self.candidates, int) and self.candidates >= 2):
+            raise ExitConfigError(f"candidates must be an integer >= 2, got "
+                                  f"{self.candidates!r}")
+        if self.vocab_subset and self.candidates > self.vocab_subset:
+            raise ExitConfigError(f"candidates ({self.candidates}) cannot exceed vocab_subset "
+                                  f"({self.vocab_subset})")
+        if not 0.0 < self.target_agreement <= 1.0:
+            raise ExitConfigError(f"target_agreement must be in (0, 1] (a fraction of tokens "
+                                  f"equal to full depth), got {self.target_agreement}")
+        if not 0.0 < self.quorum <= 1.0:
+            raise ExitConfigError(f"quorum must be in (0, 1], got {self.quorum}")
+        if (self.measure == "candidates" and self.exit_layers
+                and self.min_exit_layer > self.exit_layers[0]):
+            raise ExitConfigError(
+                f"measure 'candidates' picks its candidates at the first exit "
+                f"({self.exit_layers[0]}), so min_exit_layer ({self.min_exit_layer}) cannot "
+                f"skip it: drop the exits below min_exit_layer instead")
+        if self.force_exit_layer is not None and self.force_exit_layer not in self.exit_layers:
+            raise ExitConfigError(f"force_exit_layer {self.force_exit_layer} is not one of "
+                                  f"the exit layers {self.exit_layers}")
+        if self.force_exit_layer is not None and self.force_exit_layer < self.min_exit_layer:
+            raise ExitConfigError(f"force_exit_layer {self.force_exit_layer} is below "
+                                  f"min_exit_layer {self.min_exit_layer}: that exit is never "
+                                  f"checked, so it could never be taken")
+
+    def validate_for(self, cfg: ModelConfig) -> None:
+        bad = [e for e in self.exit_layers if not 1 <= e < cfg.n_layers]
+        if bad:
+            raise ExitConfigError(
+                f"exit layers {bad} are out of range: an exit layer counts the layers run "
+                f"before it, so it must be in [1, {cfg.n_layers - 1}] for this "
+                f"{cfg.n_layers}-layer model")
+        if self.vocab_subset > cfg.vocab_size:
+            raise ExitConfigError(f"vocab_subset {self.vocab_subset} exceeds the model's "
+                                  f"vocabulary of {cfg.vocab_size} tokens")
+        if self.measure == "candidates" and self.candidates > cfg.vocab_size:
+            raise ExitConfigError(f"candidates {self.candidates} exceeds the model's "
+                                  f"vocabulary of {cfg.vocab_size} tokens")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "never" and bool(self.exit_layers)
+
+    @property
+    def needs_vocab(self) -> bool:
+        return self.measure in VOCAB_MEASURES
+
+    @property
+    def head_vocab(self) -> int | None:
+        """How many token ids an exit head scores (None: the model's whole vocabulary)."""
+        return self.vocab_subset or None
+
+    @property
+    def first_exit(self) -> int | None:
+        """The lowest exit layer that can ever be taken (None: none can)."""
+        if self.force_exit_layer is not None:
+            return self.force_exit_layer
+        return next((e for e in self.exit_layers if e >= self.min_exit_layer), None)
+
+    def row_buckets(self, batch: int) -> tuple[int, ...]:
+        """Static row buckets of policy "per_row" for a batch of `batch` rows, largest first:
+        ceil(batch / 2**k) down to min_row_bucket (always holding `batch` itself)."""
+        sizes = [batch]
+        while sizes[-1] > 1 and -(-sizes[-1] // 2) >= self.min_row_bucket:
+            sizes.append(-(-sizes[-1] // 2))
+        return tuple(sizes)
+
+    def exit_index_table(self, n_layers: int) -> np.ndarray:
+        """[n_layers + 1] int32: slot of exit e in the heads tree, -1 where e is no exit."""
+        table = np.full(n_layers + 1, -1, np.int32)
+        for slot, e in enumerate(self.exit_layers):
+            table[e] = slot
+        return table
+
+
+def every(n_layers: int, step: int, start: int | None = None) -> tuple[int, ...]:
+    """Exit layers every `step` layers: every(30, 4) -> (4, 8, ..., 28)."""
+    return tuple(range(start or step, n_layers, step))

@@ -1,0 +1,217 @@
+"""The cost of early exit in layer-equivalents (pure arithmetic on the shapes).
+
+Per token (`CostModel`): a token leaving at exit e costs e layers + its checks + the exit
+head; the ideal counts the heads: (L + final head) / mean cost (DESIGN section 4, "Count the
+head"). That per-token count is exact only where each token's work is its own.
+
+Per step (`step_cost`, issue #23, DESIGN section 5): what a decode step really runs, per
+back-fill mode. A step pays for the union of what its rows run. Two regimes:
+
+* memory-bound (GPU/TPU at small batch, a CPU at batch 1): a weight is paid once per step if
+  any row uses it. Layers: the deepest row's; under back-fill "deferred" every layer whenever
+  a row has a pending token (it runs layers e_prev..L-1 for it). The LM head's rows: once for
+  the exit head if any row left early, once for the final head if any ran to L. Checks: each
+  exit checked while any row was running. K/V back-fill: the skipped layers' K/V weights
+  (`kv_fraction` of a layer each) from the shallowest exit up; "learned" adds its maps.
+* compute-bound (a CPU at batch 8 and up): everything per row: its layers (plus, deferred,
+  the L - e_prev layers of its pending token), its checks, its head, its back-fill.
+
+Full depth is L + the final head per row (compute) or per step (memory). `step_speedup` is
+what the engine's exit controller reads; `sequence_speedup` replays real per-row exit
+sequences (deferred depends on each row's previous token).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import (
+    BACKFILLS,
+    DECISION_HIDDEN,
+    N_FEATURES,
+    VOCAB_MEASURES,
+    ExitConfig,
+    ExitConfigError,
+)
+
+Regime = Literal["memory", "compute"]
+REGIMES = ("memory", "compute")
+
+
+def layer_macs(cfg: ModelConfig) -> int:
+    """Multiply-adds of one decoder layer's weights per token (attention over the context
+    is not counted: at short contexts it is small next to the projections)."""
+    D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return D * q + 2 * D * kv + q * D + 3 * D * cfg.ffn_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Per-token cost of early exit in layer-equivalents (multiply-adds / `layer_macs`).
+
+    A token leaving at exit e costs e layers + every check at exits <= e + the exit head
+    (+ its skipped layers at `completion` each when back-fill "deferred" runs them in the
+    next step); at full depth L layers + every check + the final head. `ideal_speedup` is the
+    honest ideal: (L + final head) / mean cost."""
+
+    n_layers: int
+    exit_layers: tuple[int, ...]
+    final_head: float  # final norm + LM head over the whole vocabulary
+    exit_head: float  # exit norm/adapter + LM head over the exit vocabulary, at the exit taken
+    checks: tuple[float, ...]  # cost of the check at each exit slot
+    completion: float = 0.0  # one skipped layer run later for the token (back-fill "deferred")
+
+    def token_cost(self, exit_layer: int) -> float:
+        done = sum(c for e, c in zip(self.exit_layers, self.checks, strict=True)
+                   if e <= exit_layer)
+        if exit_layer >= self.n_layers:
+            return exit_layer + done + self.final_head
+        return (exit_layer + done + self.exit_head
+                + (self.n_layers - exit_layer) * self.completion)
+
+    def mean_cost(self, exit_counts) -> float:
+        """exit_counts: {exit layer (n_layers = full depth): tokens}."""
+        n = sum(exit_counts.values())
+        if not n:
+            return self.token_cost(self.n_layers)
+        return sum(self.token_cost(int(e)) * c for e, c in exit_counts.items()) / n
+
+    def ideal_speedup(self, exit_counts) -> float:
+        return (self.n_layers + self.final_head) / self.mean_cost(exit_counts)
+
+
+def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float | None = None) -> CostModel:
+    """The cost model of these exits on this model (pure arithmetic on the shapes).
+
+    completion: the cost of a layer a back-fill "deferred" token runs in its row's next step,
+    in layer-equivalents; default its multiply-adds, a whole layer (1.0; 0 under
+    "propagate"). In arithmetic, deferred exits save only the head: the layers are run
+    anyway. Where decode is memory-bound the second query rides on weights the row's own
+    token reads anyway (measured ~0.4 of a layer at batch 1 on a 2-core CPU,
+    `bench.policy_steps --step`): pass that to model time rather than arithmetic."""
+    D, lay = cfg.d_model, float(layer_macs(cfg))
+    vocab = ec.vocab_subset or cfg.vocab_size
+    hidden = D + (2 * D * ec.adapter_rank if ec.head in ("adapter", "mlp") else 0)
+    if ec.measure in VOCAB_MEASURES:
+        check = first = hidden + vocab * D + 2 * vocab
+    elif ec.measure == "candidates":
+        tail = N_FEATURES * DECISION_HIDDEN + DECISION_HIDDEN + 4 * ec.candidates
+        first = hidden + vocab * D + tail
+        check = hidden + ec.candidates * D + tail
+    else:  # saturation, classifier: one D-wide dot product (plus a norm)
+        check = first = 2 * D
+    checks = tuple((first if i == 0 else check) / lay for i in range(len(ec.exit_layers)))
+    if not ec.enabled:
+        checks = tuple(0.0 for _ in ec.exit_layers)
+    if completion is None:
+        completion = 1.0 if ec.backfill == "deferred" else 0.0
+    return CostModel(cfg.n_layers, ec.exit_layers, (D + cfg.vocab_size * D) / lay,
+                     (hidden + vocab * D) / lay, checks,
+                     completion if ec.enabled and ec.backfill == "deferred" else 0.0)
+
+
+def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts,
+                            completion: float | None = None) -> float:
+    """(L + final head) / mean per-token cost, all in layer-equivalents, for tokens leaving
+    per `exit_counts` {exit layer (L = full depth): count}. What `EngineStats` should report
+    next to the measured speed-up (the plain L / mean layers leaves the heads out).
+    completion: see `cost_model`."""
+    return cost_model(cfg, ec, completion).ideal_speedup(exit_counts)
+
+
+# --------------------------------------------------------------------------- per step
+
+
+def kv_fraction(cfg: ModelConfig) -> float:
+    """A layer's K/V projections as a share of the layer's multiply-adds."""
+    return 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim / layer_macs(cfg)
+
+
+def map_fraction(cfg: ModelConfig, rank: int) -> float:
+    """One learned map (`backfill_maps`: (D + 1) x r then r x 2KV) as a share of a layer."""
+    return ((cfg.d_model + 1) * rank + rank * 2 * cfg.n_kv_heads * cfg.head_dim) / layer_macs(cfg)
+
+
+def _checks_upto(cm: CostModel, layer: int) -> float:
+    return sum(c for e, c in zip(cm.exit_layers, cm.checks, strict=True) if e <= layer)
+
+
+def step_cost(cm: CostModel, exit_layers: Sequence[int], pending: Sequence[int] | None,
+              backfill: str, regime: Regime, kv: float, maps: float = 0.0) -> float:
+    """Cost of one decode step whose rows left at `exit_layers` (L: full depth), with their
+    pending tokens' exits `pending` (deferred only; L or None: none)."""
+    if backfill not in BACKFILLS:
+        raise ExitConfigError(f"backfill {backfill!r}: expected one of {BACKFILLS}")
+    if regime not in REGIMES:
+        raise ExitConfigError(f"regime {regime!r}: expected one of {REGIMES}")
+    L = cm.n_layers
+    ex = [int(e) for e in exit_layers]
+    if not ex:
+        return 0.0
+    pend = [L] * len(ex) if pending is None or backfill != "deferred" else [int(p) for p in
+                                                                             pending]
+    fill = kv + (maps if backfill == "learned" else 0.0)  # per skipped layer
+    if regime == "compute":
+        cost = 0.0
+        for e, p in zip(ex, pend, strict=True):
+            cost += e + (L - p) + _checks_upto(cm, min(e, L - 1))
+            cost += cm.final_head if e >= L else cm.exit_head + fill * (L - e)
+        return cost
+    deepest = max(ex)
+    layers = L if any(p < L for p in pend) else deepest
+    early = [e for e in ex if e < L]
+    cost = layers + _checks_upto(cm, min(deepest, L - 1))
+    cost += cm.final_head if deepest >= L else 0.0
+    if early:
+        cost += cm.exit_head + fill * (L - min(early))
+    return cost
+
+
+def full_step_cost(cm: CostModel, batch: int, regime: Regime) -> float:
+    return (cm.n_layers + cm.final_head) * (batch if regime == "compute" else 1)
+
+
+def sequence_speedup(cm: CostModel, steps: Sequence[Sequence[int]], backfill: str,
+                     regime: Regime, kv: float, maps: float = 0.0) -> float:
+    """Full depth over early exit for decode steps whose rows (the same rows, in order, every
+    step) left at steps[t][r]; a row's pending token is its previous step's (deferred)."""
+    L = cm.n_layers
+    total, prev = 0.0, None
+    for rows in steps:
+        pend = None if prev is None else [p if p < L else L for p in prev]
+        total += step_cost(cm, rows, pend, backfill, regime, kv, maps)
+        prev = rows
+    full = sum(full_step_cost(cm, len(r), regime) for r in steps)
+    return full / total if total else 1.0
+
+
+def step_speedup(cm: CostModel, counts: dict[int, int], batch: int, backfill: str, regime: Regime,
+                 kv: float, maps: float = 0.0, policy: str = "per_row", samples: int = 512,
+                 seed: int = 0) -> float:
+    """Expected speed-up of steps of `batch` rows whose exit layers are drawn independently
+    from `counts` {exit layer: rows} (each row's pending token drawn the same way). Policy
+    "all": `counts` are batch exit layers (every row of a step leaves at the step's), so one
+    draw per step serves all its rows. Sampled with a fixed seed: deterministic."""
+    layers = np.asarray(sorted(counts), np.int64)
+    if not len(layers):
+        return 1.0
+    p = np.asarray([counts[k] for k in sorted(counts)], np.float64)
+    p /= p.sum()
+    rng = np.random.default_rng(seed)
+    draws = rng.choice(layers, size=(samples, 2, batch), p=p)
+    total = 0.0
+    for now, before in draws:
+        if policy == "all":
+            now, before = np.full(batch, now[0]), np.full(batch, before[0])
+        total += step_cost(cm, now.tolist(), before.tolist(), backfill, regime, kv, maps)
+    return samples * full_step_cost(cm, batch, regime) / total
+
+
+def histogram(exits: Sequence[int]) -> dict[int, int]:
+    return dict(collections.Counter(int(e) for e in exits))

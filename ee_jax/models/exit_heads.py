@@ -1,0 +1,309 @@
+"""Exit-head parameters and the exit heads' logits, as pure functions.
+
+Exit heads live in their own params tree, stacked on a leading exit axis in the order of
+`ExitConfig.exit_layers`:
+
+    norm        [E, D]        per-exit RMSNorm weight (EE-LLM's default head; no training needed)
+    adapter/    down [E, D, r], up [E, r, D]     (head "adapter": residual low-rank adapter)
+    mlp/        down [E, D, r], up [E, r, D]     (head "mlp": residual SiLU MLP of width r)
+    classifier/ w [E, D], b [E]                  (measure "classifier": CALM's learned "meta")
+    vocab       [K] int32                        (vocab_subset K > 0: the ids exit heads score)
+    decision/   w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E]   (measure "candidates")
+
+Every head ends in the model's own LM head (`llama.unembed`), so an exit adds no vocabulary
+matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder layers, so a *vocabulary
+subset* keeps it off the path (issue #12): an exit head may score only K frequent token ids
+(the rows of the LM head at `heads["vocab"]`); a token outside the subset can only come from
+full depth. The exit head runs in full once, at the exit taken (`row_exit_logits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ee_jax.models import backfill_maps, llama
+from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import DECISION_HIDDEN, N_FEATURES, ExitConfig, ExitConfigError
+from ee_jax.models.quant import out_major_matmul
+
+MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
+
+
+def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
+    E, D, dt = len(ec.exit_layers), cfg.d_model, cfg.jnp_dtype
+    tree: dict[str, Any] = {"norm": jax.ShapeDtypeStruct((E, D), dt)}
+    if ec.head in ("adapter", "mlp"):
+        r = ec.adapter_rank
+        tree[ec.head] = {"down": jax.ShapeDtypeStruct((E, D, r), dt),
+                           "up": jax.ShapeDtypeStruct((E, r, D), dt)}
+    if ec.measure == "classifier":
+        tree["classifier"] = {"w": jax.ShapeDtypeStruct((E, D), jnp.float32),
+                              "b": jax.ShapeDtypeStruct((E,), jnp.float32)}
+    if ec.vocab_subset:
+        tree["vocab"] = jax.ShapeDtypeStruct((ec.vocab_subset,), jnp.int32)
+    if ec.measure == "candidates":
+        F, H, f32 = N_FEATURES, DECISION_HIDDEN, jnp.float32
+        tree["decision"] = {"w1": jax.ShapeDtypeStruct((E, F, H), f32),
+                            "b1": jax.ShapeDtypeStruct((E, H), f32),
+                            "w2": jax.ShapeDtypeStruct((E, H), f32),
+                            "b2": jax.ShapeDtypeStruct((E,), f32)}
+    return tree
+
+
+def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
+               key: jax.Array | None = None) -> dict[str, Any]:
+    """Untrained heads: each exit's norm starts as the final norm (usable as is), the adapter
+    as the identity (up = 0), the classifier as "confidence 0.5"."""
+    E, D = len(ec.exit_layers), cfg.d_model
+    key = jax.random.PRNGKey(0) if key is None else key
+    heads: dict[str, Any] = {"norm": jnp.broadcast_to(params["final_norm"], (E, D)).copy()}
+    if ec.head in ("adapter", "mlp"):
+        r = ec.adapter_rank
+        heads[ec.head] = {
+            "down": (jax.random.normal(key, (E, D, r)) / np.sqrt(D)).astype(cfg.jnp_dtype),
+            "up": jnp.zeros((E, r, D), cfg.jnp_dtype)}
+    if ec.measure == "classifier":
+        heads["classifier"] = {"w": jnp.zeros((E, D), jnp.float32),
+                               "b": jnp.zeros((E,), jnp.float32)}
+    if ec.vocab_subset:  # placeholder ids; tuning puts the most frequent tokens here
+        heads["vocab"] = jnp.arange(ec.vocab_subset, dtype=jnp.int32)
+    if ec.measure == "candidates":  # "confidence 0.5" until trained
+        F, H = N_FEATURES, DECISION_HIDDEN
+        heads["decision"] = {
+            "w1": (jax.random.normal(jax.random.fold_in(key, 1), (E, F, H)) / np.sqrt(F)
+                   ).astype(jnp.float32),
+            "b1": jnp.zeros((E, H), jnp.float32), "w2": jnp.zeros((E, H), jnp.float32),
+            "b2": jnp.zeros((E,), jnp.float32)}
+    return heads
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSubset:
+    """The token ids exit heads score, and the model they were counted on."""
+
+    ids: np.ndarray  # [K] int32, most frequent first
+    model: str  # the model's name (its tokenizer defines what the ids mean)
+    vocab_size: int
+
+
+def check_vocab_subset(ids, vocab_size: int) -> np.ndarray:
+    """[K] int32 ids, or ExitConfigError naming what is wrong (shape, duplicates, range)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ExitConfigError(f"a vocabulary subset is a non-empty 1-D list of token ids, got "
+                              f"shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ExitConfigError(f"vocabulary subset ids must be integers, got {arr.dtype}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ExitConfigError(f"vocabulary subset ids {bad[:5].tolist()} are outside [0, "
+                              f"{vocab_size}): the subset was made for another vocabulary")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != arr.size:
+        dup = uniq[counts > 1][:5].tolist()
+        raise ExitConfigError(f"vocabulary subset has duplicate ids {dup}: each id may "
+                              f"appear once")
+    return arr.astype(np.int32)
+
+
+def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
+                        model: str | None = None) -> dict:
+    """heads with `heads["vocab"]` set to the subset's ids, after checking that the subset
+    was counted on this model (same name when `model` is given, same vocabulary size)."""
+    if subset.vocab_size != cfg.vocab_size or (model is not None and subset.model != model):
+        raise ExitConfigError(
+            f"vocabulary subset was made for {subset.model!r} ({subset.vocab_size} tokens), "
+            f"but the heads are for {model or 'a model'!r} ({cfg.vocab_size} tokens): count "
+            f"the subset on this model's tokens")
+    ids = check_vocab_subset(subset.ids, cfg.vocab_size)
+    if "vocab" in heads and np.shape(heads["vocab"]) != ids.shape:
+        raise ExitConfigError(f"the heads score {np.shape(heads['vocab'])[0]} ids, the "
+                              f"subset holds {ids.size}: set ExitConfig.vocab_subset={ids.size}")
+    return dict(heads, vocab=jnp.asarray(ids))
+
+
+CANDIDATE_DTYPES = ("int8",)  # `with_vocab_rows(candidate_dtype=...)`; None: exact search
+# Leaves `with_vocab_rows` derives from the model's LM head: held for serving, never saved.
+BACKFILL_MAPS = "backfill"  # learned back-fill maps beside the heads (`backfill_maps`)
+DERIVED_LEAVES = ("vocab_rows", "vocab_rows_q", "vocab_rows_scale")
+
+
+def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
+                    candidate_dtype: str | None = "int8") -> dict:
+    """heads plus `vocab_rows` [K, D]: the LM head's rows at the subset's ids, gathered once;
+    with candidate_dtype "int8" (the default) also `vocab_rows_q` [K, D] int8 and
+    `vocab_rows_scale` [K] f32, the same rows quantized for the first check's candidate search
+    (`candidate_features`; one symmetric scale per row, `quantize_rows`).
+
+    Derived, never saved (`DERIVED_LEAVES`: `head_shapes` does not hold them, `check_heads`
+    accepts them, `save_exit_heads` drops them). Serving should hold them: inside a step,
+    gathering K = 8,192 rows of the 49,152 x 576 head costs more than the projection itself on
+    CPU (and XLA fuses the gather into the product as a slow reduction at batch 1), every first
+    check and every exit head; and the first check's search over the subset is memory-bound
+    (19 MB of f32 rows every step), so it reads the int8 copy (a quarter of that) and rescores
+    only its k candidates exactly. `vocab_rows` stays f32 for the exit head at the exit taken
+    (`exit_logits`, `row_exit_logits`): the emitted token is the exact subset argmax. Heads
+    without a subset are returned as they are."""
+    if candidate_dtype is not None and candidate_dtype not in CANDIDATE_DTYPES:
+        raise ExitConfigError(f"candidate_dtype={candidate_dtype!r}: expected one of "
+                              f"{CANDIDATE_DTYPES} or None (search the f32 rows)")
+    if "vocab" not in heads:
+        return heads
+    heads = {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
+    ids = jnp.asarray(heads["vocab"])
+    rows = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
+            else jnp.take(params["lm_head"], ids, axis=1).T)
+    if candidate_dtype is None:
+        return dict(heads, vocab_rows=rows)
+    q, scale = quantize_rows(rows)
+    return dict(heads, vocab_rows=rows, vocab_rows_q=q, vocab_rows_scale=scale)
+
+
+def without_derived(heads):
+    """heads without the leaves `with_vocab_rows` derives and without the back-fill maps
+    (what the heads' orbax checkpoint holds; the maps have their own file)."""
+    if not isinstance(heads, dict):
+        return heads
+    return {k: v for k, v in heads.items() if k not in (*DERIVED_LEAVES, BACKFILL_MAPS)}
+
+
+@jax.jit
+def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per row: rows [K, D] -> (q int8 [K, D], scale f32 [K]), rows ~= q *
+    scale[:, None], scale = max |row| / 127 (an all-zero row gets scale 1, q 0)."""
+    rows = rows.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(rows), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(rows / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
+    """Raise ExitConfigError unless `heads` has exactly the shapes this config needs (plus,
+    optionally, the derived leaves of `with_vocab_rows` and learned back-fill maps under
+    "backfill", which back-fill "learned" requires; `backfill_maps.check_maps`)."""
+    if isinstance(heads, dict) and BACKFILL_MAPS in heads:
+        backfill_maps.check_maps(cfg, ec.exit_layers, heads[BACKFILL_MAPS])
+        heads = {k: v for k, v in heads.items() if k != BACKFILL_MAPS}
+    elif ec.backfill == "learned":
+        raise ExitConfigError("back-fill 'learned' needs fitted maps beside the heads "
+                              "(heads['backfill'], saved as backfill_maps.safetensors by ee-jax "
+                              "tune): fit them, or serve back-fill 'propagate' or 'deferred'")
+    want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in
+            jax.tree_util.tree_leaves_with_path(head_shapes(cfg, ec))}
+    derived = {"vocab_rows": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_q": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_scale": (ec.vocab_subset,)}
+    if ec.vocab_subset and isinstance(heads, dict):
+        want.update({f"['{k}']": shape for k, shape in derived.items() if k in heads})
+    got = {jax.tree_util.keystr(p): tuple(np.shape(a)) for p, a in
+           jax.tree_util.tree_leaves_with_path(heads)}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))
+        raise ExitConfigError(
+            f"exit heads do not match exit_layers={ec.exit_layers}, head={ec.head!r}, "
+            f"measure={ec.measure!r} on a d_model={cfg.d_model} model: differing leaves "
+            f"(name, shape): {diff}")
+
+
+def at_slot(tree, slot):
+    """The leaves of a heads subtree at exit `slot` (a traced index)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), tree)
+
+
+def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head."""
+    hn = llama.norm(h, at_slot(heads["norm"], slot), cfg)
+    if "adapter" in heads:
+        ad = at_slot(heads["adapter"], slot)
+        hn = hn + (hn @ ad["down"]) @ ad["up"]
+    if "mlp" in heads:
+        ad = at_slot(heads["mlp"], slot)
+        hn = hn + jax.nn.silu(hn @ ad["down"]) @ ad["up"]
+    return hn
+
+
+def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: ModelConfig,
+                 rows: jax.Array | None = None) -> jax.Array:
+    """The LM head's logits at token ids only: xn [..., D], ids [K] -> [..., K] f32 (equal to
+    `llama.unembed(...)[..., ids]`, at K x D multiply-adds instead of V x D). rows: the head's
+    rows at ids [K, D] when the caller holds them (`with_vocab_rows`); else gathered here,
+    behind an optimization barrier (fused into the product, the gather became a scalar
+    reduction loop on CPU)."""
+    if rows is None:
+        rows = jax.lax.optimization_barrier(
+            jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
+            else jnp.take(params["lm_head"], ids, axis=1).T)  # [K, D]
+    # rows are output-major [K, D], as the tied head is: the product the model's own head
+    # uses for them (`quant.out_major_matmul`: E @ x.T at 2-64 rows, 1.7-2x faster on CPU)
+    return llama.cap_logits(out_major_matmul(xn, rows, preferred_element_type=jnp.float32), cfg)
+
+
+def approx_subset_logits(heads, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Approximate logits at the subset's ids from its int8 rows (`with_vocab_rows`):
+    xn [..., D] -> [..., K] f32, within about 0.03 (median; 0.5 at most) of `unembed_rows` on
+    SmolLM2's layer-16 exit states (logits ~30): what the first check searches for candidates.
+
+    The product is one int8 x int8 -> int32 matmul: each row of xn is split as
+    xn ~= sx * (hi + lo / 254) with hi, lo int8 (absmax scale sx; hi the rounded value, lo its
+    rounding error in 1/254 steps, ~15 bits in all), both halves multiplied in one product that
+    reads the int8 rows once, then the row scales applied to the sum. Only the weights' per-row
+    rounding remains. Why not the weights converted to f32 inside the product: XLA CPU writes
+    the converted [K, D] f32 array first (no faster than the f32 rows); and a single-row int8
+    product runs as a slow loop, so batch 1 needs the second (lo) row anyway."""
+    q, scale = heads["vocab_rows_q"], heads["vocab_rows_scale"]  # [K, D] int8, [K] f32
+    lead, d = xn.shape[:-1], xn.shape[-1]
+    x = xn.reshape(-1, d).astype(jnp.float32)
+    n = x.shape[0]
+    sx = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    sx = jnp.where(sx > 0, sx, 1.0)  # [n, 1]
+    u = x / sx
+    hi = jnp.round(u)
+    lo = jnp.round((u - hi) * 254.0)  # |u - hi| <= 1/2: lo in [-127, 127]
+    y = jax.lax.dot_general(jnp.concatenate([hi, lo]).astype(jnp.int8), q,
+                            (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = y.astype(jnp.float32)  # [2n, K]
+    z = (y[:n] + y[n:] * (1.0 / 254.0)) * sx * scale
+    return llama.cap_logits(z.reshape(*lead, q.shape[0]), cfg)
+
+
+def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., K] logits at ids -> [..., V] with MASKED everywhere else."""
+    full = jnp.full((*sub.shape[:-1], vocab_size), MASKED, jnp.float32)
+    return full.at[..., ids].set(sub.astype(jnp.float32))
+
+
+def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfig):
+    """Logits [..., V] (f32) of exit `slot` for hidden states h [..., D]; with a vocabulary
+    subset only its ids are scored (the rest are MASKED)."""
+    hn = exit_hidden(heads, slot, h, cfg)
+    if "vocab" in heads:
+        return scatter_vocab(unembed_rows(params, hn, heads["vocab"], cfg,
+                                          heads.get("vocab_rows")),
+                             heads["vocab"], cfg.vocab_size)
+    return llama.unembed(params, hn, cfg)
+
+
+def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
+                    cfg: ModelConfig) -> jax.Array:
+    """Logits [B, V] (f32) with a head per row: row b's exit `slots[b]`, or the final head
+    where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
+    own head weights); the vocabulary projection is one matmul shared by all rows. With a
+    vocabulary subset the exit rows get MASKED logits outside it, and each projection runs
+    only when some row needs it (all rows left: no full-vocabulary matmul)."""
+    hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
+    final = llama.norm(h, params["final_norm"], cfg)
+    if "vocab" not in heads:
+        return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
+    ids, left = heads["vocab"], slots >= 0  # [K], [B]
+    sub = jax.lax.cond(jnp.any(left),
+                       lambda: unembed_rows(params, hn, ids, cfg, heads.get("vocab_rows")),
+                       lambda: jnp.zeros((h.shape[0], ids.shape[0]), jnp.float32))
+    full = jax.lax.cond(jnp.any(~left), lambda: llama.unembed(params, final, cfg),
+                        lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
+    return jnp.where(left[:, None], scatter_vocab(sub, ids, cfg.vocab_size), full)

@@ -1,0 +1,179 @@
+"""Exits that never cost (issue #23, item 3): per batch bucket, run the exit program only
+where its checks pay for themselves; elsewhere run the full-depth program (no checks
+compiled in), and look again from time to time.
+
+A decision reads the exit program's recent decode rows in that bucket (their exit layers)
+and the engine's cost model of one step (`predict(bucket, row_exit_counts)` -> the step's
+speed-up over full depth, e.g. `cost.step_speedup`): the exit program runs while the
+prediction clears 1 + margin. Without observations (the start, or a bucket never seen) the
+exit program runs `probe_steps` steps to get them; a bucket at full depth runs the exit
+program again for `probe_steps` steps every `probe_every` of its steps, so a change of load
+(exit rates, batch) moves the decision back. Everything here is host-side bookkeeping: the
+two programs are ordinary step shapes (`StepShape.exits`), compiled once each.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+from ee_jax.errors import EEJaxError
+from ee_jax.models import backfill_maps, exit_cost
+from ee_jax.models.config import ModelConfig
+from ee_jax.models.exit_config import ExitConfig
+
+Mode = Literal["auto", "exits", "full"]
+MODES = ("auto", "exits", "full")
+
+
+class ControllerConfigError(EEJaxError, ValueError):
+    """Controller settings that cannot work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """mode "auto": decide per batch bucket; "exits": always the exit program (the engine
+    before issue #23); "full": never (the exit heads stay loaded, no check runs).
+    window: decode rows of the exit program a decision reads (the latest, per bucket).
+    probe_steps: exit-program steps a bucket runs to (re)gather rows before deciding.
+    probe_every: steps a bucket runs at full depth before it probes again.
+    margin: the predicted speed-up must exceed 1 + margin for the checks to run."""
+
+    mode: Mode = "auto"
+    window: int = 256
+    probe_steps: int = 16
+    probe_every: int = 512
+    margin: float = 0.02
+    # The cost model's regime per batch: batches up to this are memory-bound (a weight read
+    # once per step), larger ones compute-bound (`exit_cost.step_cost`); None: 1 on CPU, 64
+    # elsewhere.
+    memory_bound_batch: int | None = None
+    # What the exit program costs beyond the cost model's arithmetic (the while loop, the
+    # checks' dispatches), as a share of a full-depth step: calibrate it with
+    # `python -m bench.shipped_exits --overhead` ("checks only / full" = 1 / (1 + this)).
+    check_overhead: float = 0.05
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ControllerConfigError(f"exit controller mode {self.mode!r} is unknown; "
+                                        f"choose one of {MODES}")
+        for name in ("window", "probe_steps", "probe_every"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ControllerConfigError(f"exit controller {name} must be an integer >= 1, "
+                                            f"got {v!r}")
+        if self.memory_bound_batch is not None and not (
+                isinstance(self.memory_bound_batch, int) and self.memory_bound_batch >= 0):
+            raise ControllerConfigError(f"exit controller memory_bound_batch must be an "
+                                        f"integer >= 0 or None, got {self.memory_bound_batch!r}")
+        if not 0.0 <= self.check_overhead < 10.0:
+            raise ControllerConfigError(f"exit controller check_overhead must be in [0, 10) "
+                                        f"(a share of a full-depth step), got "
+                                        f"{self.check_overhead}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ControllerConfigError(f"exit controller margin must be in [0, 1), got "
+                                        f"{self.margin}")
+
+
+@dataclasses.dataclass
+class _Bucket:
+    rows: collections.deque  # exit layers of the exit program's latest decode rows
+    exits: bool = True  # the program this bucket runs now
+    probing: int = 0  # exit-program steps left in the current look
+    since: int = 0  # steps at full depth since the last look / exit steps since a decision
+    predicted: float = float("nan")  # the last decision's predicted speed-up
+    steps: dict = dataclasses.field(default_factory=lambda: {True: 0, False: 0})
+
+
+class ExitController:
+    """Which program each decode step runs (`use_exits`), from what steps showed (`observe`)."""
+
+    def __init__(self, config: ControllerConfig,
+                 predict: Callable[[int, dict[int, int]], float]):
+        self.config = config
+        self.predict = predict
+        self.buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, batch: int) -> _Bucket:
+        if batch not in self.buckets:
+            self.buckets[batch] = _Bucket(collections.deque(maxlen=self.config.window),
+                                          probing=self.config.probe_steps)
+        return self.buckets[batch]
+
+    def use_exits(self, batch: int) -> bool:
+        """The program the next decode step of `batch` rows runs (True: the exit program)."""
+        mode = self.config.mode
+        if mode != "auto":
+            return mode == "exits"
+        b = self._bucket(batch)
+        if b.probing:
+            return True
+        if not b.exits:
+            b.since += 1
+            if b.since > self.config.probe_every:  # look again
+                b.since, b.probing = 0, self.config.probe_steps
+                return True
+        return b.exits
+
+    def observe(self, batch: int, exits: bool, row_exit_layers: list[int]) -> None:
+        """A decode step of `batch` rows ran (`exits`: the exit program) with these rows."""
+        if self.config.mode != "auto":
+            return
+        b = self._bucket(batch)
+        b.steps[exits] += 1
+        if not exits:
+            return
+        b.rows.extend(row_exit_layers)
+        if b.probing:
+            b.probing -= 1
+            if b.probing:
+                return
+        else:  # running the exit program: decide again every probe_steps steps
+            b.since += 1
+            if b.since < self.config.probe_steps:
+                return
+        b.since = 0
+        counts = dict(collections.Counter(b.rows))
+        b.predicted = self.predict(batch, counts)
+        b.exits = b.predicted > 1.0 + self.config.margin
+
+    def summary(self) -> str:
+        """Which program each bucket ran and why, e.g. for the CLI's closing line."""
+        if self.config.mode != "auto":
+            return f"exit program: {self.config.mode} (set by mode, not decided)"
+        parts = []
+        for batch, b in sorted(self.buckets.items()):
+            why = ("no decision yet" if b.predicted != b.predicted else
+                   f"predicted {b.predicted:.2f}x {'>' if b.exits else '<='} "
+                   f"{1 + self.config.margin:.2f}x")
+            parts.append(f"batch {batch}: {'exits' if b.exits else 'full depth'} ({why}; "
+                         f"steps exits {b.steps[True]}, full {b.steps[False]})")
+        return "; ".join(parts) or "no decode step yet"
+
+
+def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
+                   heads=None) -> Callable[[int, dict[int, int]], float]:
+    """The engine's prediction: batch, {row exit layer: rows} -> the exit program's speed-up
+    over the full-depth program (`exit_cost.step_speedup` under `ec`'s back-fill and policy,
+    the exit loop's `check_overhead` charged on top)."""
+    cm = exit_cost.cost_model(cfg, ec, completion=0.0)
+    kv = exit_cost.kv_fraction(cfg)
+    maps = 0.0
+    if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:
+        maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
+    mem = config.memory_bound_batch
+    if mem is None:
+        mem = 1 if jax.default_backend() == "cpu" else 64
+    policy = "all" if ec.policy in ("all", "quorum") else "per_row"
+
+    def predict(batch: int, counts: dict[int, int]) -> float:
+        regime = "memory" if batch <= mem else "compute"
+        ideal = exit_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
+                                       policy=policy, samples=128)
+        return 1.0 / (1.0 / ideal + config.check_overhead)
+
+    return predict

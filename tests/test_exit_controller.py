@@ -1,0 +1,106 @@
+"""Exits that never cost (issue #23, ee_jax/serving/controller.py): per batch bucket the
+engine runs the exit program only where the cost model says its checks pay, the full-depth
+program elsewhere, and looks again from time to time."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from ee_jax.models import llama
+from ee_jax.models.exit_config import ExitConfig
+from ee_jax.serving.controller import ControllerConfig, ControllerConfigError, ExitController
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import greedy
+from ee_jax.testing import tiny_config
+from tests.reference import run_requests
+
+CFG = tiny_config(eos_token_ids=())
+PARAMS = llama.init_params(CFG, jax.random.PRNGKey(4), scale=0.4)
+L = CFG.n_layers
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10]]
+NEW = 12
+
+
+def _engine(control: ControllerConfig):
+    # threshold 0: every row is confident at the first exit (layer 1)
+    ec = ExitConfig(exit_layers=(1, 2, 3), measure="max_prob", threshold=0.0,
+                    backfill="propagate")
+    return LLMEngine(CFG, PARAMS, None, EngineConfig(
+        max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(2,),
+        exit_control=control), ec)
+
+
+def _programs(engine):
+    """(exit-program decode shapes, full-depth decode shapes) this engine's runner ran (its
+    `traces` keys: one program each, compiled once whoever compiled it)."""
+    dec = [s for s in engine.runner.traces if s.kind == "decode"]
+    return sum(s.exits for s in dec), sum(not s.exits for s in dec)
+
+
+def test_where_checks_cannot_pay_the_full_depth_program_runs():
+    # the exit loop's overhead alone (5 full-depth steps) outweighs any exit
+    engine = _engine(ControllerConfig(probe_steps=2, probe_every=1000, check_overhead=5.0))
+    outs = run_requests(engine, PROMPTS, greedy(NEW))
+    assert _programs(engine) == (1, 1)  # both programs, once each
+    assert max(engine.runner.traces.values()) <= 1  # no shape traced twice
+    for o in outs:
+        # the probe's steps (2, one more in flight while the host reads the second) left at
+        # layer 1; every later decode step ran full depth
+        k = o.exit_layers.index(L, 1)
+        assert 2 <= k - 1 <= 3 and set(o.exit_layers[1:k]) == {1}, o.exit_layers
+        assert set(o.exit_layers[k:]) == {L}, o.exit_layers
+        assert len(o.token_ids) == NEW
+    assert "batch 2: full depth" in engine.controller.summary()
+
+
+def test_where_checks_pay_the_exit_program_runs():
+    engine = _engine(ControllerConfig(probe_steps=2, check_overhead=0.0))
+    outs = run_requests(engine, PROMPTS, greedy(NEW))
+    assert _programs(engine) == (1, 0)
+    assert all(set(o.exit_layers[1:]) == {1} for o in outs)
+    assert "batch 2: exits" in engine.controller.summary()
+
+
+def test_mode_exits_never_decides():
+    engine = _engine(ControllerConfig(mode="exits", check_overhead=5.0))
+    run_requests(engine, PROMPTS, greedy(4))
+    assert _programs(engine) == (1, 0)
+
+
+def test_a_change_of_load_moves_the_decision():
+    # predicted speed-up: 2x while rows leave early, 0.5x at full depth, and only in batch 1
+    def predict(batch, counts):
+        early = sum(v for k, v in counts.items() if k < L) / sum(counts.values())
+        return 2.0 if batch == 1 and early > 0.5 else 0.5
+
+    c = ExitController(ControllerConfig(window=4, probe_steps=2, probe_every=3), predict)
+    seen = []
+    for rows in [[1], [1], [1], [L], [L], [L], [L], [L], [L], [L], [L], [L], [1], [1], [1]]:
+        use = c.use_exits(1)
+        seen.append(use)
+        c.observe(1, use, rows if use else [L])
+    # probe (2 steps, early rows) -> exits; rows stop leaving -> full depth after the window
+    # turns; every 3 full-depth steps a 2-step probe; the probe that sees early rows again
+    # switches back
+    assert seen[:5] == [True] * 5
+    assert False in seen[5:12]
+    assert seen[-1] is True
+    # batch 8 never pays under this prediction
+    for _ in range(3):
+        use = c.use_exits(8)
+        c.observe(8, use, [1] * 8)
+    assert c.use_exits(8) is False
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="sometimes"), "mode 'sometimes'"),
+    (dict(window=0), "window must be an integer >= 1"),
+    (dict(probe_every=2.5), "probe_every must be an integer"),
+    (dict(margin=1.5), "margin must be in"),
+    (dict(check_overhead=-0.1), "check_overhead must be in"),
+    (dict(memory_bound_batch=-1), "memory_bound_batch"),
+])
+def test_bad_controller_settings_are_named(kw, match):
+    with pytest.raises(ControllerConfigError, match=match):
+        ControllerConfig(**kw)
