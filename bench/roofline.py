@@ -41,7 +41,7 @@ from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
 # Row exit histograms of the shipped SmolLM2 heads at batch 1 (threshold 0.985; layer: rows,
-# 30 = full depth), docs/benchmarks.md, "the shipped heads timed" (bench.shipped_exits).
+# 30 = full depth), docs/benchmarks.md at dcc3eba (bench.shipped_exits at threshold 0.985).
 SHIPPED = {
     "instructions": {20: 1, 21: 16, 22: 8, 23: 8, 24: 20, 25: 9, 26: 9, 27: 6, 28: 8, 29: 7,
                      30: 378},
