@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.random_model import random_model
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.serving.server import BackgroundServer, ServerConfig
@@ -53,6 +54,9 @@ def served():
     batch bucket keeps the number of compiled programs (and the module's time) small."""
     llm = LLM(random_model(), progress=False, max_num_seqs=64, batch_buckets=(64,),
               max_model_len=256, num_pages=1100,
+              # per-request thresholds are the point here: always the exit program (the
+              # controller's "auto" would run full depth once its probe saw no exits)
+              exit_control=ControllerConfig(mode="exits"),
               exit_config=ExitConfig(exit_layers=(1, 2, 3), threshold=NEVER))
     ns = SimpleNamespace(llm=llm, engine=llm.engine, tok=llm.tokenizer)
     chats = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
