@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.exit_config import NEVER, POLICIES, ExitConfig, ExitConfigError, every
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape, unpack_results
@@ -48,7 +49,10 @@ def engine_config(**kw) -> EngineConfig:
     # steps give the same tokens: tests/test_engine.py::test_overlapped_engine_equals_...).
     base = dict(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
                 max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
-                async_scheduling=False)
+                async_scheduling=False,
+                # the exit program always: these tests check what it computes (the
+                # controller's choice is tests/test_exit_controller.py's)
+                exit_control=ControllerConfig(mode="exits"))
     base.update(kw)
     return EngineConfig(**base)
 
