@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.params import greedy
@@ -329,7 +330,8 @@ def engine():
     ec = ExitConfig(exit_layers=EXIT_LAYERS, measure="max_prob", threshold=NEVER,
                     policy="per_row")
     config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
-                          max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,))
+                          max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
+                          exit_control=ControllerConfig(mode="exits"))
     return LLMEngine(CFG, PARAMS, None, config, ec, perturbed_heads(ec))
 
 
