@@ -29,7 +29,7 @@ run: $(VENV)/.runtime
 # drops the compiled programs at each test module's end.)
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The inner loop: tiny models only (no real SmolLM2, nothing marked slow), stop at the first
 # failure.

@@ -475,6 +475,7 @@ def test_served_tables_count_what_the_engine_serves_one_request_at_a_time():
     thresholds) against serving each (answer, threshold) alone at batch 1: the same errors
     per answer, exits and mean layers; threshold NEVER gives no error and no exit."""
     from ee_jax.models.loading import LoadedModel
+    from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import SamplingParams
     from ee_jax.training.tune import served_tables
@@ -494,7 +495,8 @@ def test_served_tables_count_what_the_engine_serves_one_request_at_a_time():
     grid = (NEVER, 0.6, 0.3)
     tables = served_tables(model, ec, heads, answers, grid, batch=4, progress=False)
     alone = LLM(model, exit_config=dataclasses.replace(ec, policy="per_row"), exit_heads=heads,
-                max_num_seqs=1, max_model_len=64, progress=False)
+                max_num_seqs=1, max_model_len=64, progress=False,
+                exit_control=ControllerConfig(mode="exits"))  # the exits, as served_tables
     for g, pairs in answers.items():
         t = tables[g]
         assert t.thresholds == tuple(sorted(grid, reverse=True))

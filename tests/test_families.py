@@ -27,6 +27,7 @@ from ee_jax.models.checkpoint import config_from_dict, config_to_dict
 from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.models.hf import config_from_hf, load_hf
 from ee_jax.models.loading import load_model
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.params import greedy
 
 torch = pytest.importorskip("torch")
@@ -337,8 +338,11 @@ def test_gguf_families_load_as_their_hf_folder(tmp_path, family, head_dim):
 
 # One row at a time, so each prompt's exits are its own (policy "all" leaves when every row
 # of the batch is confident); both prompts in one prefill bucket: two compiled programs.
+# Exits always: the test checks what the exit program computes (the controller's "auto" could
+# run full depth after its probe; its choice is tests/test_exit_controller.py's).
 ENGINE = dict(max_num_seqs=1, max_model_len=64, page_size=16, num_pages=8,
-              max_prefill_chunk=32, max_num_batched_tokens=32, batch_buckets=(1,))
+              max_prefill_chunk=32, max_num_batched_tokens=32, batch_buckets=(1,),
+              exit_control=ControllerConfig(mode="exits"))
 PROMPT_LENS = (30, 25)  # both longer than the window
 MAX_NEW = 16
 EXIT = 2  # the one exit: after layer 2 of 4

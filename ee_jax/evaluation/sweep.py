@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from ee_jax.evaluation import compare
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import RequestOutput, SamplingParams, greedy
 
@@ -171,7 +172,9 @@ def run_sweep(cfg: ModelConfig, params, workloads: Mapping[str, Sequence[Sequenc
     for B in batches:
         settings = settings_at(B)
         pols = list(dict.fromkeys(pol for pol, _ in settings))
-        kw = dict(max_num_seqs=B, max_model_len=_round_up(longest + max_tokens + 1, 16))
+        # exits always: the sweep measures each exit setting (the controller could run full depth)
+        kw = dict(max_num_seqs=B, max_model_len=_round_up(longest + max_tokens + 1, 16),
+                  exit_control=ControllerConfig(mode="exits"))
         kw.update(engine_kwargs or {})
         econf = EngineConfig(**kw)
         log(f"batch {B}: building {1 + len(pols)} engines (full depth + {', '.join(pols)})")

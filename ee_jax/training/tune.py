@@ -34,6 +34,7 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import load_model
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.training import cached as C
@@ -197,6 +198,8 @@ def served_tables(model, ec: ExitConfig, heads, answers, thresholds, *,
     llm = LLM(model, exit_config=dataclasses.replace(ec, policy="per_row"), exit_heads=heads,
               max_num_seqs=batch, max_model_len=-(-(longest + 16) // 16) * 16,
               max_num_batched_tokens=4096, max_prefill_chunk=512, mixed_steps=False,
+              # exits always: the tables measure the exits (the controller could run full depth)
+              exit_control=ControllerConfig(mode="exits"),
               progress=False)  # no decode rows inside prefill steps (those run full depth)
     prompts = [answers[g][i][0] for g, i, _ in jobs]
     params = [SamplingParams(temperature=0.0, max_tokens=len(answers[g][i][1]),
