@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 MODEL  ?= smollm2-135m-instruct
+# Test processes (pytest-xdist; a test file stays in one process, so its module fixtures and
+# compiled programs are shared). Most of a test's time is one XLA compile on one core.
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-fast lint clean
 
@@ -29,12 +32,12 @@ run: $(VENV)/.runtime
 # drops the compiled programs at each test module's end.)
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The inner loop: tiny models only (no real SmolLM2, nothing marked slow), stop at the first
 # failure.
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -x -m "not real_model and not slow" tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not slow" tests
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench

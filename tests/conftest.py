@@ -57,7 +57,18 @@ def _memory_maps() -> int:
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"peak memory maps at a module's end: {_PEAK_MAPS[0]} "
-                                "(vm.max_map_count is 65,530 by default)")
+                                "(per test process; vm.max_map_count is 65,530 by default)")
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its peak to the controller, which prints the largest."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["peak_maps"] = _PEAK_MAPS[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _PEAK_MAPS[0] = max(_PEAK_MAPS[0], getattr(node, "workeroutput", {}).get("peak_maps", 0))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,7 +23,8 @@ from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
-from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
+from ee_jax.serving.model_runner import ModelRunner, StepShape
 from ee_jax.serving.params import greedy
 from ee_jax.serving.step import PerRow, model_step, policy_for
 from ee_jax.testing import tiny_config
@@ -319,6 +320,24 @@ def test_row_buckets():
     assert ec4.row_buckets(2) == (2,)
     with pytest.raises(ExitConfigError, match="min_row_bucket"):
         ExitConfig(min_row_bucket=0)
+
+
+def test_rows_are_compacted_only_where_a_layer_is_compute_bound():
+    """A CPU runner compacts the running rows (stages 4, 2, 1: a while loop each); a runner
+    built for a TPU or GPU runs one stage, as policy "all" does (its layers are memory-bound
+    at serving batches: fewer rows would save nothing and each stage is compiled again)."""
+    ec = ExitConfig(exit_layers=EXIT_LAYERS, policy="per_row")
+    shape = StepShape(4, 1, 4, kind="decode")
+
+    def loops(policy, platform):
+        e = dataclasses.replace(ec, policy=policy)
+        cache = allocate_cache(CFG, 8, 16, CFG.dtype)
+        runner = ModelRunner(CFG, PARAMS, cache, e, attention="xla", max_batch=4,
+                             platform=platform)
+        return runner.lower(shape).as_text().count("stablehlo.while")
+
+    assert loops("per_row", "cpu") > loops("per_row", "tpu") == loops("all", "tpu")
+    assert loops("per_row", "gpu") == loops("per_row", "tpu")
 
 
 # --------------------------------------------------------------------------- engine

@@ -59,8 +59,8 @@ class ExitConfig:
     (saturation still records the hidden state there).
     min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
     into (buckets are B, B/2, ..., min_row_bucket). On accelerators a layer over one row
-    costs about what it costs over eight (weight reads dominate), so raising it there saves
-    compile time and gathers for nothing lost.
+    costs about what it costs over eight (weight reads dominate), so the serving runner
+    does not compact there at all (`model_runner.compaction_pays`).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
     vocab_subset: K > 0 — exit heads score only the K token ids in `heads["vocab"]` (logits of
     every other id are MASKED); 0 — the whole vocabulary.

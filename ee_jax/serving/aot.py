@@ -36,7 +36,7 @@ from ee_jax.errors import EEJaxError
 from ee_jax.models import exit_checkpoint, exit_heads, gguf, llama, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
-from ee_jax.serving import attention_kernels
+from ee_jax.serving import attention_kernels, compilation
 from ee_jax.serving.engine import EngineConfig, num_pages_for
 from ee_jax.serving.kv_cache import KVCache, bytes_per_page, cache_shape, storage_dtype
 from ee_jax.serving.model_runner import ModelRunner, StepShape
@@ -355,7 +355,8 @@ class Plan:
         devices = target_devices(self.target)
         return ModelRunner(cfg, params, cache, ec, heads, attention=self.attention,
                            max_batch=self.max_batch, mesh=mesh,
-                           device=devices[0] if devices else jax.devices("cpu")[0])
+                           device=devices[0] if devices else jax.devices("cpu")[0],
+                           platform=platform)
 
     def __len__(self) -> int:
         return len(self.items())
@@ -368,39 +369,68 @@ class Plan:
                     if s.kind == "decode" or ec is None]
         return out
 
-    def compile(self) -> Iterator[Row]:
-        """Compile (TPU, CPU) or export (CUDA) every program, one Row each; a program that
-        fails gives a Row with its error (the rest still run)."""
+    def compile(self, workers: int | None = None) -> Iterator[Row]:
+        """Compile (TPU, CPU) or export (CUDA) every program, one Row each, in order; a
+        program that fails gives a Row with its error (the rest still run). XLA's compiles
+        run on `workers` threads (`compilation.pipelined`)."""
         runners: dict[str, ModelRunner] = {}
-        for name, ec, shape in self.items():
+
+        def lower(item):
+            name, ec, shape = item
             if name not in runners:
                 runners[name] = self.runner(ec)
-            yield build(runners[name], shape, self.target, name)
+            return name, shape, _lower(runners[name], shape, self.target)
+
+        def finish(lowered):
+            name, shape, (program, seconds, error) = lowered
+            return _finish(name, shape, self.target, program, seconds, error)
+
+        yield from compilation.pipelined(self.items(), lower, finish, workers)
 
 
-def build(runner: ModelRunner, shape: StepShape, target: Target, variant: str = "") -> Row:
-    """One step program of `runner` for `target`: compiled, or exported for CUDA."""
+def _lower(runner: ModelRunner, shape: StepShape, target: Target):
+    """(lowered program or None, seconds, error or None): traced and lowered for `target`
+    (exported for CUDA, which ends there)."""
     t0 = time.perf_counter()
     try:
         with attention_kernels.target_platform(target.platform):
             if target.compiles:
-                compiled = runner.lower(shape).compile()
-            else:
-                export_cuda(runner, shape)
-                compiled = None
+                return runner.lower(shape), time.perf_counter() - t0, None
+            export_cuda(runner, shape)
+            return None, time.perf_counter() - t0, None
     except Exception as e:  # reported per program, with its message
-        return Row(variant, shape, time.perf_counter() - t0,
-                   error=f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
-    row = Row(variant, shape, time.perf_counter() - t0)
-    if compiled is not None:
-        row.flops, row.bytes_accessed = cost_of(compiled)
-        mem = compiled.memory_analysis()
-        if mem is not None:
-            row.argument_bytes = int(mem.argument_size_in_bytes)
-            row.temp_bytes = int(mem.temp_size_in_bytes)
-            row.output_bytes = int(mem.output_size_in_bytes)
-            row.alias_bytes = int(mem.alias_size_in_bytes)
+        return None, time.perf_counter() - t0, _message(e)
+
+
+def _message(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+
+
+def _finish(variant: str, shape: StepShape, target: Target, lowered, seconds: float,
+            error: str | None) -> Row:
+    """The Row of a lowered program: compiled, with its cost and memory analyses."""
+    if lowered is None or error is not None:
+        return Row(variant, shape, seconds, error=error)
+    t0 = time.perf_counter()
+    try:
+        with attention_kernels.target_platform(target.platform):
+            compiled = lowered.compile()
+    except Exception as e:
+        return Row(variant, shape, seconds + time.perf_counter() - t0, error=_message(e))
+    row = Row(variant, shape, seconds + time.perf_counter() - t0)
+    row.flops, row.bytes_accessed = cost_of(compiled)
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        row.argument_bytes = int(mem.argument_size_in_bytes)
+        row.temp_bytes = int(mem.temp_size_in_bytes)
+        row.output_bytes = int(mem.output_size_in_bytes)
+        row.alias_bytes = int(mem.alias_size_in_bytes)
     return row
+
+
+def build(runner: ModelRunner, shape: StepShape, target: Target, variant: str = "") -> Row:
+    """One step program of `runner` for `target`: compiled, or exported for CUDA."""
+    return _finish(variant, shape, target, *_lower(runner, shape, target))
 
 
 # The Pallas GPU kernels lower to this custom call; jax.export refuses custom calls it does

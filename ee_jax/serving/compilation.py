@@ -10,9 +10,13 @@ arguments' placement changes).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -21,6 +25,24 @@ DEFAULT_COMPILATION_CACHE = "~/.cache/ee-jax/xla"
 # JAX reports every backend compile under this event (a persistent-cache hit included: the
 # program is then loaded, not compiled, which also stalls the step that needs it).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def pipelined(items: Iterable[Any], lower: Callable[[Any], Any], finish: Callable[[Any], Any],
+              workers: int | None = None) -> Iterator[Any]:
+    """finish(lower(item)) for every item, yielded in order: `lower` (tracing and lowering,
+    which hold Python's lock) runs here, one item after another; `finish` (XLA's compile, or
+    a persistent-cache load) runs on `workers` threads (default: the host's cores), beside
+    the next items' lowering. Several programs then compile at once: a TPU host's many cores
+    cut an engine's warm-up by as many, and even 2 cores nearly halve it."""
+    workers = max(1, workers or os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers, "ee-jax-compile") as pool:
+        pending: collections.deque = collections.deque()
+        for item in items:
+            pending.append(pool.submit(finish, lower(item)))
+            while len(pending) > workers or (pending and pending[0].done()):
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def compilation_cache_from_env() -> str | None:

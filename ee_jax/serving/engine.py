@@ -26,7 +26,7 @@ from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import sharding
 from ee_jax.serving.block_manager import BlockManager
-from ee_jax.serving.compilation import compiles_on_this_thread
+from ee_jax.serving.compilation import compiles_on_this_thread, pipelined
 from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
@@ -458,13 +458,15 @@ class LLMEngine:
                    progress: bool = True) -> int:
         """Compile every step shape the scheduler can produce (of these kinds) now, so no
         request waits for a compile mid-run; returns how many programs that is. With the
-        persistent compilation cache, a restart loads them instead."""
+        persistent compilation cache, a restart loads them instead. XLA compiles several at
+        once, on the host's cores (`compilation.pipelined`)."""
         shapes = [s for s in self.scheduler.config.step_shapes(kinds)
                   if s not in self.runner.traces]
         t0 = time.perf_counter()
-        for shape in tqdm(shapes, desc="compiling steps", unit="program", file=sys.stderr,
-                          disable=not progress, leave=False):
-            self.runner.compile(shape)
+        done = pipelined(shapes, self.runner.lower, self.runner.compile_lowered)
+        for _ in tqdm(done, total=len(shapes), desc="compiling steps", unit="program",
+                      file=sys.stderr, disable=not progress, leave=False):
+            pass
         self.stats.compile_time += time.perf_counter() - t0
         self.stats.num_compiles += len(shapes)
         return len(shapes)

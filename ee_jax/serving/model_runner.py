@@ -255,6 +255,17 @@ class StepProgram:
             pending
 
 
+def compaction_pays(platform: str) -> bool:
+    """Whether policy "per_row" should compact the rows still running into smaller row
+    buckets on `platform`. Only where a decode layer is compute-bound: a CPU at batch 8 and
+    up (docs/benchmarks.md). On a TPU or GPU a decode layer reads its weights whatever the
+    rows (the ridge point is ~240 rows on TPU v5e, ~300 on H100: 197 TFLOP/s / 819 GB/s,
+    989 / 3.35), so fewer rows save nothing, and each extra stage is another copy of the
+    layer loop to compile (a SmolLM2 per_row step at batch 8: 37 s for TPU v5e, 3 stages,
+    against 13 s under policy "all")."""
+    return platform == "cpu"
+
+
 @functools.cache
 def step_program(config: StepConfig) -> StepProgram:
     """The one step program of `config` in this process (why: a jitted function per runner
@@ -276,11 +287,19 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
-                 mesh: Mesh | None = None, device: jax.Device | None = None):
+                 mesh: Mesh | None = None, device: jax.Device | None = None,
+                 platform: str | None = None):
         """`device`: where a runner without a mesh runs (default: the first local device).
+        `platform`: what the steps are built for (default: the devices'); it decides whether
+        policy "per_row" compacts its rows (`compaction_pays`).
         Abstract params, heads and cache (`jax.ShapeDtypeStruct` leaves, as
         `ee_jax.serving.aot` builds them) make a runner that can only `lower` and `compile`,
         for a device this machine may not have: nothing is allocated."""
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else
+                                device or jax.local_devices()[0]).platform
+        if exit_config is not None and exit_config.policy == "per_row" and \
+                not compaction_pays(platform):  # one stage: every row runs to the batch's end
+            exit_config = dataclasses.replace(exit_config, min_row_bucket=max_batch)
         abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
         self.cfg = cfg
         self.mesh = mesh
@@ -396,8 +415,12 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> None:
         """Compile the step of `shape` ahead of time, without running it (jit reuses the
         compiled program when a batch of that shape comes)."""
+        self.compile_lowered(self.lower(shape))
+
+    def compile_lowered(self, lowered: Any) -> Any:
+        """Compile a program `lower` gave (any thread: `compilation.pipelined`)."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-            self.lower(shape).compile()
+            return lowered.compile()
 
     @property
     def num_traces(self) -> int:
