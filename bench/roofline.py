@@ -43,6 +43,7 @@ from bench.common import (
     log,
     median,
     num_cpus,
+    other_load,
     smollm2_shaped_random,
     step_case,
     time_steps,
@@ -51,6 +52,7 @@ from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KVCache, cache_shape, write_layer
+from ee_jax.serving.paged_model import paged_layer
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
@@ -192,6 +194,9 @@ def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None) -> float:
                           cfg.n_layers * (layer.kv_read + layer.kv_write))
 
 
+POOL = "layer over the pool (as the step runs it)"
+
+
 @dataclasses.dataclass
 class Measured:
     """What `pieces` found at one batch: the composition's pieces, the first check, the
@@ -258,15 +263,20 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                               target)
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
                                               target)
-    compiled = Cost(0.0, 0.0)
-    if step:
+    compiled = pool_layer = Cost(0.0, 0.0)
+    if step:  # as the step runs: the cache donated, attention "reference" over the pool
         cache = KVCache(*(sds(cache_shape(cfg, P, PAGE), kdt) for _ in range(2)))
         compiled = cost(
             lambda p, c, t, m, th: model_step(p, None, c, t, m, th, cfg, FullDepth(),
                                               "reference")[0].logits.argmax(-1),
-            (params, cache, sds((B, 1), jnp.int32), meta, sds((B,), jnp.float32)), target)
+            (params, cache, sds((B, 1), jnp.int32), meta, sds((B,), jnp.float32)), target,
+            donate=(1,))
+        c1 = KVCache(*(sds(cache_shape(cfg1, P, PAGE), kdt) for _ in range(2)))
+        pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
+                          (p1, x, c1, meta), target, donate=(2,))
     it = dt.itemsize
     parts = {"layer (K/V as input)": (layer_xla, hl.total - hl.kv_write),
+             POOL: (pool_layer, hl.total),
              "fixed": (fixed, hand_fixed(cfg, B).total),
              "fill (kv_project)": (fill - Cost(0.0, hl.kv_write),
                                    2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * it
@@ -352,9 +362,10 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
     lines = [f"CPU peaks (measured here): matmul 2048^2 {peaks['float32'] / 1e9:.1f} GFLOP/s "
              f"f32, {peaks['bfloat16'] / 1e9:.1f} GFLOP/s bf16; numpy copy "
              f"{peaks['bytes'] / 1e9:.2f} GB/s (read + write).\n",
-             "| dtype | batch | composed GFLOP | composed MB | analytic MB | predicted ms "
-             "(bound) | measured ms (median, full depth) | measured / predicted |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| dtype | batch | layer MB XLA / hand | fixed MB XLA / hand | composed GFLOP | "
+             "composed MB | analytic MB | predicted ms (bound) | measured ms (median, full "
+             "depth) | measured / predicted | other load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for dtype in ("float32", "bfloat16"):
         cfg = dataclasses.replace(cfg32, dtype=dtype)
         params = params32 if dtype == "float32" else cast_params(params32, dtype)
@@ -366,15 +377,22 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
             peak = peaks[dtype]
             t = seconds(full, peak, peaks["bytes"])
             bound = "memory" if full.bytes / peaks["bytes"] >= full.flops / peak else "compute"
-            pred[B] = (full, t, bound, analytic_step(cfg, B, W, jnp.dtype(kv).itemsize))
+            hl = hand_layer(cfg, B, W, jnp.dtype(kv).itemsize)
+            pieces_txt = (f"{m.parts['layer (K/V as input)'][0].bytes / 1e6:.2f} / "
+                          f"{(hl.total - hl.kv_write) / 1e6:.2f} | "
+                          f"{m.pieces.fixed.bytes / 1e6:.1f} / "
+                          f"{hand_fixed(cfg, B).total / 1e6:.1f}")
+            pred[B] = (full, t, bound, analytic_step(cfg, B, W, jnp.dtype(kv).itemsize),
+                       pieces_txt)
             cases[B] = step_case(cfg, params, B, W * PAGE - 1)
         for B in batches:  # one timer per batch: full depth only, so no ratio to pair
+            load = other_load(1.0)
             times = time_steps({"full": cases[B]}, rounds)["full"]
             ms = 1e3 * median(times.wall)
-            full, t, bound, an = pred[B]
-            lines.append(f"| {dtype} | {B} | {full.flops / 1e9:.2f} | {full.bytes / 1e6:.1f} | "
-                         f"{an / 1e6:.1f} | {t * 1e3:.2f} ({bound}) | {ms:.2f} | "
-                         f"{ms / (t * 1e3):.2f}x |")
+            full, t, bound, an, pieces_txt = pred[B]
+            lines.append(f"| {dtype} | {B} | {pieces_txt} | {full.flops / 1e9:.2f} | "
+                         f"{full.bytes / 1e6:.1f} | {an / 1e6:.1f} | {t * 1e3:.2f} ({bound}) | "
+                         f"{ms:.2f} | {ms / (t * 1e3):.2f}x | {load:.0%} |")
             log(lines[-1])
     return lines
 
@@ -429,7 +447,7 @@ def main(argv=None) -> int:
                     f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
                     f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
                     f"{m.step.bytes / 1e6:.1f} | "
-                    f"{(m.pieces.fixed + m.pieces.layer).bytes / 1e6:.1f} |")
+                    f"{(m.pieces.fixed + m.parts[POOL][0]).bytes / 1e6:.1f} |")
                 for name, (c, hand) in m.parts.items():
                     cp = m.copies.get(name.split(" (")[0], 0.0)
                     parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
@@ -453,10 +471,11 @@ def main(argv=None) -> int:
         lines.append("Composed full-depth step (fixed + L x layer) against the analytic bytes "
                      "(every weight once + the rows' K/V read + this token's K/V written); "
                      "and the compiled full-depth step (one `fori_loop`: XLA counts its body "
-                     "once) beside fixed + 1 layer.\n")
+                     "once) beside fixed + 1 layer over the pool (the step's own layer: "
+                     "XLA's counts of its page gather and K/V scatter included).\n")
         lines.append("| model | target | batch | composed MB | analytic MB | composed vs "
                      "analytic | of which relayout copies MB | composed less copies vs "
-                     "analytic | compiled step MB | fixed + 1 layer MB |")
+                     "analytic | compiled step MB | fixed + 1 pool layer MB |")
         lines.append("|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
         lines += checks_lines
         lines.append("\n### Pieces: XLA's bytes against the hand count\n")
