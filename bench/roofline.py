@@ -1,16 +1,22 @@
 """Where exits pay: a roofline from the compiler's own counts (issue 21).
 
 For each model shape and target, the decode step's pieces are compiled (TPU, ahead of time
-on this host) or lowered (CUDA) on their own, and XLA's cost analysis gives their flops and
-bytes: one layer at each batch bucket (attention "reference": a gather of the rows' pages,
-which XLA can count; the Pallas kernels are custom calls it cannot), the fixed part (embed,
-final head, greedy pick), an exit check (first and later) and one layer's back-fill
-(`llama.kv_project`). `ee_jax.serving.roofline` composes them into a step, weighted by an
-exit histogram, and predicts max(flops / peak, bytes / bandwidth) with published peaks.
+on this host, with memory-space assignment off so that the bytes are HBM bytes: see
+TPU_COUNT_OPTIONS) or lowered (CUDA: the HLO before optimisation, unfused) on their own, and
+XLA's cost analysis gives their flops and bytes: one decoder layer (unstacked weights) whose
+attention reads the rows' K/V given as an input of the read size, plus this token's K/V write
+counted by hand (XLA counts an in-place scatter by its pool, and a page gather by its
+relayout copies: both replaced, see `pieces`); the fixed part (embed, final head, greedy
+pick); an exit check (first and later); one layer's back-fill (`llama.kv_project`).
+`ee_jax.serving.roofline` composes them into a step, weighted by an exit histogram, and
+predicts max(flops / peak, bytes / bandwidth) with published peaks.
 
-Cross-checks printed beside the tables: the composed full-depth step against the compiled
-full-depth step (`step.model_step` under `FullDepth`: one fori_loop over the layers), and
-each shape's bytes against the analytic count (weights + the KV the rows read).
+Cross-checks printed beside the tables: each shape's composed bytes against the analytic
+count (weights once + the K/V the rows read + this token's K/V), with a verdict and the
+relayout copies the compiler planned (real traffic the hand count leaves out); XLA's bytes
+per piece against a hand count; the composed step against the compiled full-depth step
+(`step.model_step` under `FullDepth`: one fori_loop, its body counted once); and on this
+CPU, pieces compiled for it against measured full-depth step times (`--cpu`).
 
     python -m bench.roofline                       # writes runs/roofline.md (and prints it)
     python -m bench.roofline --models smollm2-135m --targets tpu:v5e --batches 1 8
@@ -21,8 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import platform
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,12 +36,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import (
+    best_time,
+    copy_bandwidth,
+    cpu_model,
+    log,
+    median,
+    num_cpus,
+    other_load,
+    smollm2_shaped_random,
+    step_case,
+    time_steps,
+)
 from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.kv_cache import KVCache, cache_shape
+from ee_jax.serving.kv_cache import KVCache, cache_shape, write_layer
 from ee_jax.serving.paged_model import paged_layer
-from ee_jax.serving.roofline import Cost, Pieces, seconds
+from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
@@ -69,16 +86,49 @@ def _place(tree, target: aot.Target):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
 
 
-def cost(fn, args, target: aot.Target) -> Cost:
-    """XLA's flops and bytes of fn(*args): compiled for TPU/CPU, lowered for CUDA."""
-    jitted = jax.jit(fn)
+# XLA's TPU cost analysis counts every memory level: with memory-space assignment (MSA) on,
+# a weight staged into VMEM is counted on its copy out of HBM, its write into VMEM and the
+# matmul's read of it (x @ w, w 576 x 1536 bf16, batch 8: 8.9 MB counted for 1.8 MB moved).
+# Compiled with MSA off every operand is read from HBM once (1.80 MB): the count a roofline
+# over HBM bandwidth needs. The programs otherwise compile the same (fusions, layouts).
+TPU_COUNT_OPTIONS = {"xla_msa_enable": False}
+
+
+def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = ()) -> Cost:
+    """XLA's flops and bytes of fn(*args): compiled for TPU (HBM bytes: MSA off) or CPU,
+    lowered for CUDA (the HLO before optimisation: unfused)."""
+    return cost_and_copies(fn, args, target, donate)[0]
+
+
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
+
+
+def copy_bytes(hlo_text: str) -> float:
+    """Bytes the top-level `copy` instructions of a compiled module move (read + write of
+    each's logical shape): the relayouts the compiler planned (e.g. a weight transposed to
+    suit the matmul it feeds), real traffic a hand count of weights and K/V leaves out."""
+    entry = hlo_text[hlo_text.find("\nENTRY"):]
+    total = 0.0
+    for dt, dims in _COPY.findall(entry):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += 2 * n * _HLO_BYTES[dt]
+    return total
+
+
+def cost_and_copies(fn, args, target: aot.Target, donate: tuple[int, ...] = ()
+                    ) -> tuple[Cost, float]:
+    """(XLA's counts, the bytes of its relayout copies; 0 where only lowered)."""
+    jitted = jax.jit(fn, donate_argnums=donate)
     with attention_kernels.target_platform(target.platform):
         if target.compiles:
-            flops, nbytes = aot.cost_of(jitted.lower(*_place(args, target)).compile())
-        else:
-            ca = jitted.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
-            flops, nbytes = float(ca["flops"]), float(ca["bytes accessed"])
-    return Cost(flops, nbytes)
+            opts = TPU_COUNT_OPTIONS if target.platform == "tpu" else {}
+            compiled = jitted.lower(*_place(args, target)).compile(compiler_options=opts)
+            flops, nbytes = aot.cost_of(compiled)
+            return Cost(flops, nbytes), copy_bytes(compiled.as_text())
+        ca = jitted.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
+        return Cost(float(ca["flops"]), float(ca["bytes accessed"])), 0.0
 
 
 def sds(shape, dtype):
@@ -90,52 +140,207 @@ def meta_for(B: int, W: int) -> AttentionMetadata:
                              sds((B,), jnp.int32))
 
 
-def pieces(cfg, ec, B: int, W: int, target: aot.Target) -> tuple[Pieces, Cost, Cost]:
-    """(Pieces at batch B over W pages a row, the first check, the compiled full-depth
-    step)."""
+def attend_rows(q, k, v, meta: AttentionMetadata, cfg):
+    """Attention of q [B, 1, H, hd] over the rows' own keys and values k, v [B, T, K, hd]
+    (what a paged kernel reads: the pages' contents, no pool)."""
+    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    mask = llama.attention_weights_mask(meta.positions, key_pos,
+                                        key_pos[None, :] < meta.kv_lens[:, None])
+    return llama.gqa_attention(q, k, v, mask, scale=cfg.attn_scale,
+                               softcap=cfg.attn_logit_softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hand:
+    """Bytes one piece must move at least (bf16/f32 itemsize of the model), by hand."""
+
+    weights: float  # every weight the piece uses, once
+    kv_read: float  # the keys and values the rows attend to
+    kv_write: float  # this step's K/V
+    other: float = 0.0  # activations in and out
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_read + self.kv_write + self.other
+
+
+def layer_weight_bytes(cfg) -> float:
+    D, H, K, hd, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    return (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * cfg.jnp_dtype.itemsize
+
+
+def hand_layer(cfg, B: int, W: int, kv_itemsize: int | None = None) -> Hand:
+    """One decode layer: its weights once, the K/V of B rows x W pages (whole pages, as every
+    backend reads them), this token's K/V written, x in and out."""
+    it = cfg.jnp_dtype.itemsize
+    kit = kv_itemsize or it
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return Hand(layer_weight_bytes(cfg), 2 * B * W * PAGE * kv * kit, 2 * B * kv * kit,
+                2 * B * cfg.d_model * it)
+
+
+def hand_fixed(cfg, B: int) -> Hand:
+    """Embedding rows of B tokens, final norm, the LM head (the tied embedding read whole)."""
+    it = cfg.jnp_dtype.itemsize
+    head = cfg.vocab_size * cfg.d_model * it
+    return Hand(head + cfg.d_model * it, 0.0, 0.0, B * cfg.d_model * it)
+
+
+def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None) -> float:
+    """The bytes a full-depth decode step must move: every weight once, the rows' K/V read
+    and this token's K/V written (`roofline.analytic_bytes` plus the write)."""
+    layer = hand_layer(cfg, B, W, kv_itemsize)
+    return analytic_bytes(cfg.n_layers * layer.weights + hand_fixed(cfg, B).weights,
+                          cfg.n_layers * (layer.kv_read + layer.kv_write))
+
+
+POOL = "layer over the pool (as the step runs it)"
+
+
+@dataclasses.dataclass
+class Measured:
+    """What `pieces` found at one batch: the composition's pieces, the first check, the
+    compiled full-depth step, and XLA's raw counts of the parts (for the breakdown)."""
+
+    pieces: Pieces
+    first: Cost
+    step: Cost | str  # the compiled full-depth step, or why it failed
+    parts: dict[str, tuple[Cost, float]]  # name -> (XLA's count, hand bytes)
+    copies: dict[str, float]  # piece -> bytes of its relayout copies (compiled only)
+
+
+def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
+           step: bool = True) -> Measured:
+    """The pieces of a decode step at batch B over W pages a row (ec None: no checks;
+    step False: the compiled full-depth step is not built).
+
+    layer(B) = XLA's count of one decoder layer (unstacked weights) whose attention reads the
+    rows' K/V given as an input of the read size [B, W*16, K, hd], plus this token's K/V
+    write counted by hand: XLA counts an in-place scatter into the pool as (a multiple of) the
+    pool (`write_count_example`), and a page gather as its relayout copies, so both are
+    replaced, never added to."""
     dt = cfg.jnp_dtype
+    it = dt.itemsize
+    kdt = jnp.dtype(kv_dtype or dt)
     P = B * W + 1
+    T = W * PAGE
     cfg1 = dataclasses.replace(cfg, n_layers=1)
     p1 = aot.abstract_params(cfg1)
-    c1 = KVCache(*(sds(cache_shape(cfg1, P, PAGE), dt) for _ in range(2)))
+    lp = jax.eval_shape(lambda p: llama.layer_params(p, 0), p1)
     meta = meta_for(B, W)
-    layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
-                 (p1, sds((B, 1, cfg.d_model), dt), c1, meta), target)
+    x = sds((B, 1, cfg.d_model), dt)
+    pos = sds((B, 1), jnp.int32)
+    kv = sds((B, T, cfg.n_kv_heads, cfg.head_dim), kdt)
+
+    def layer_fn(lp, x, pos, k, v, m):
+        return llama.decoder_layer(lp, x, pos, cfg1,
+                                   lambda q, _k, _v: (attend_rows(q, k, v, m, cfg), None))[0]
+
+    hl = hand_layer(cfg, B, W, kdt.itemsize)
+    layer_xla, layer_copies = cost_and_copies(layer_fn, (lp, x, pos, kv, kv, meta), target)
+    layer = layer_xla + Cost(0.0, hl.kv_write)
     params = aot.abstract_params(cfg)
 
-    def fixed_fn(p, tokens):
-        x = llama.embed(p, tokens, cfg)
-        return jnp.argmax(llama.final_head(p, x[:, 0], cfg), axis=-1)
+    # The fixed part: the head on the last hidden state (XLA's count), and the embedding
+    # lookup of B tokens counted by hand (B rows) plus the relayout copies its compile holds:
+    # XLA's CPU cost analysis counts a B >= 2 row gather by the whole table (SmolLM2 f32,
+    # batch 8: 113 MB for 18 kB), while on TPU the copy of the table before the gather is real.
+    head = cost(lambda p, x: jnp.argmax(llama.final_head(p, x, cfg), axis=-1),
+                (params, sds((B, cfg.d_model), dt)), target)
+    tokens = sds((B, 1), jnp.int32)
+    _, fixed_copies = cost_and_copies(lambda p, t: llama.embed(p, t, cfg), (params, tokens),
+                                      target)
+    fixed = head + Cost(0.0, B * cfg.d_model * it + fixed_copies)
+    fill = cost(lambda lp, h, pos: llama.kv_project(lp, h, pos, cfg1), (lp, x, pos), target) \
+        + Cost(0.0, hl.kv_write)
+    first = later = Cost(0.0, 0.0)
+    first_copies = later_copies = 0.0
+    if ec is not None:
+        heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg), params,
+                               exit_heads.head_shapes(cfg, ec))
+        h = sds((B, cfg.d_model), dt)
+        state = jax.eval_shape(lambda x: exit_checks.init_check_state(x, ec), h)
 
-    fixed = cost(fixed_fn, (params, sds((B, 1), jnp.int32)), target)
-    fill = cost(lambda p, h, pos: llama.kv_project(llama.layer_params(p, 0), h, pos, cfg1),
-                (p1, sds((B, 1, cfg.d_model), dt), sds((B, 1), jnp.int32)), target)
-    heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg), params,
-                           exit_heads.head_shapes(cfg, ec))
-    h = sds((B, cfg.d_model), dt)
-    state = jax.eval_shape(lambda x: exit_checks.init_check_state(x, ec), h)
+        def check_fn(first):
+            return lambda p, hd, x, s: exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec,
+                                                                    first=first)[0]
 
-    def check_fn(first):
-        return lambda p, hd, x, s: exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec,
-                                                          first=first)[0]
+        first, first_copies = cost_and_copies(check_fn(True), (params, heads, h, state),
+                                              target)
+        later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
+                                              target)
+    compiled: Cost | str = Cost(0.0, 0.0)
+    pool_layer = Cost(0.0, 0.0)
+    if step:  # as the step runs: the cache donated, attention "reference" over the pool
+        cache = KVCache(*(sds(cache_shape(cfg, P, PAGE), kdt) for _ in range(2)))
+        try:
+            compiled = cost(
+                lambda p, c, t, m, th: _argmax_and_cache(
+                    model_step(p, None, c, t, m, th, cfg, FullDepth(), "reference")),
+                (params, cache, sds((B, 1), jnp.int32), meta, sds((B,), jnp.float32)),
+                target, donate=(1,))
+        except Exception as e:  # e.g. the whole step does not fit one chip: the pieces do
+            compiled = " ".join(str(e).split())[:120]
+        c1 = KVCache(*(sds(cache_shape(cfg1, P, PAGE), kdt) for _ in range(2)))
+        pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
+                          (p1, x, c1, meta), target, donate=(2,))
+    parts = {"layer (K/V as input)": (layer_xla, hl.total - hl.kv_write),
+             POOL: (pool_layer, hl.total),
+             "fixed": (fixed, hand_fixed(cfg, B).total),
+             "fill (kv_project)": (fill - Cost(0.0, hl.kv_write),
+                                   2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * it
+                                   + cfg.d_model * it * (1 + B)
+                                   + 2 * B * cfg.n_kv_heads * cfg.head_dim * it)}
+    copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
+              "later check": later_copies}
+    return Measured(Pieces(fixed, layer, later, fill), first, compiled, parts, copies)
 
-    first = cost(check_fn(True), (params, heads, h, state), target)
-    later = cost(check_fn(False), (params, heads, h, state), target)
-    cache = KVCache(*(sds(cache_shape(cfg, P, PAGE), dt) for _ in range(2)))
-    step = cost(lambda p, c, t, m, th: model_step(p, None, c, t, m, th, cfg, FullDepth(),
-                                                  "reference")[0].logits.argmax(-1),
-                (params, cache, sds((B, 1), jnp.int32), meta, sds((B,), jnp.float32)), target)
-    return Pieces(fixed, layer, later, fill), first, step
+
+def _mb(c: Cost | str) -> str:
+    return c if isinstance(c, str) else f"{c.bytes / 1e6:.1f}"
 
 
-def analytic_layer_bytes(cfg, B: int, W: int) -> float:
-    """One layer's weights once, and the K/V of B rows x W pages (reference attention reads
-    whole pages)."""
+def _argmax_and_cache(out):
+    """The step's greedy tokens and its cache (returned, so the donated cache is aliased)."""
+    return out[0].logits.argmax(-1), out[1]
+
+
+def write_count_example(target: aot.Target) -> tuple[float, float, float]:
+    """(XLA's bytes for writing one token's K/V into a donated pool, the bytes written, the
+    pool's bytes): cost analysis counts an in-place scatter by its operand, not its update."""
+    cfg = aot.shape_config("smollm2-135m")
+    c1 = dataclasses.replace(cfg, n_layers=1)
+    B, P = 8, 8 * 32 + 1
+    pool = KVCache(*(sds(cache_shape(c1, P, PAGE), cfg.jnp_dtype) for _ in range(2)))
+    kv = sds((B, cfg.n_kv_heads, cfg.head_dim), cfg.jnp_dtype)
+    idx = sds((B,), jnp.int32)
+    c = cost(lambda c, pg, of, k, v: write_layer(c, 0, pg, of, k, v), (pool, idx, idx, kv, kv),
+             target, donate=(0,))
     it = cfg.jnp_dtype.itemsize
-    D, H, K, hd, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    weights = (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * it
-    kv = 2 * B * W * PAGE * K * hd * it
-    return weights + kv
+    kvb = cfg.n_kv_heads * cfg.head_dim * it
+    return c.bytes, 2 * B * kvb, 2 * P * PAGE * kvb
+
+
+def padding_bytes(target: aot.Target, B: int, W: int) -> dict[str, float]:
+    """SmolLM2's attention (head_dim 64) at batch B: the bytes XLA counts for the XLA
+    attention path over the paged pool (what pallas_tpu falls back to), the floor (the rows'
+    K/V read once), and the K/V a kernel over a cache padded to head_dim 128 reads (the
+    kernel is a custom call XLA cannot count: by hand, twice the floor)."""
+    cfg = aot.shape_config("smollm2-135m")
+    c1 = dataclasses.replace(cfg, n_layers=1)
+    P = B * W + 1
+    dt = cfg.jnp_dtype
+    pool = KVCache(*(sds(cache_shape(c1, P, PAGE), dt) for _ in range(2)))
+    q = sds((B, 1, cfg.n_heads, cfg.head_dim), dt)
+    meta = meta_for(B, W)
+    out = {}
+    for name in ("xla", "reference"):
+        out[name] = cost(lambda c, q, m, f=attention_kernels.BACKENDS[name]:
+                         f(q, c, 0, m, scale=cfg.attn_scale), (pool, q, meta), target).bytes
+    hl = hand_layer(cfg, B, W)
+    out["floor"] = hl.kv_read
+    out["padded"] = 2 * hl.kv_read
+    return out
 
 
 def _step_cost(p: Pieces, first: Cost, e: int, L: int, checked, backfill: str) -> Cost:
@@ -147,85 +352,178 @@ def _step_cost(p: Pieces, first: Cost, e: int, L: int, checked, backfill: str) -
     return p.exit_at(e, L, n, backfill) + extra
 
 
+def cpu_peaks() -> dict[str, float]:
+    """This CPU's peaks, measured: a 2048^2 matmul's FLOP/s in f32 and bf16 (best of 5 after
+    a warm call), and a 512 MiB numpy copy's bytes/s (read + write)."""
+    out = {}
+    n = 2048
+    for dt in ("float32", "bfloat16"):
+        a = jnp.ones((n, n), dt)
+        out[dt] = 2 * n**3 / best_time(jax.jit(jnp.matmul), a, a)
+    out["bytes"] = copy_bandwidth()
+    return out
+
+
+def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
+    """The roofline on this CPU: pieces compiled for it (SmolLM2's shape, f32 and bf16 as
+    `make run` may serve it) against measured full-depth step times (`bench.common`'s step
+    timer, a `ModelRunner` with no exit config: the program `early_exit=False` serves)."""
+    from ee_jax.models.llama import cast_params
+    from ee_jax.serving.kv_cache import storage_dtype
+
+    target = aot.parse_target("cpu")
+    peaks = cpu_peaks()
+    log(f"CPU peaks: {peaks['float32'] / 1e9:.1f} GFLOP/s f32, {peaks['bfloat16'] / 1e9:.1f} "
+        f"bf16, copy {peaks['bytes'] / 1e9:.2f} GB/s")
+    cfg32, params32 = smollm2_shaped_random()
+    lines = [f"CPU peaks (measured here): matmul 2048^2 {peaks['float32'] / 1e9:.1f} GFLOP/s "
+             f"f32, {peaks['bfloat16'] / 1e9:.1f} GFLOP/s bf16; numpy copy "
+             f"{peaks['bytes'] / 1e9:.2f} GB/s (read + write).\n",
+             "| dtype | batch | layer MB XLA / hand | fixed MB XLA / hand | composed GFLOP | "
+             "composed MB | analytic MB | predicted ms (bound) | measured ms (median, full "
+             "depth) | measured / predicted | other load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(cfg32, dtype=dtype)
+        params = params32 if dtype == "float32" else cast_params(params32, dtype)
+        kv = storage_dtype(cfg.dtype, "cpu")  # a 16-bit cache is held in f32 on CPU
+        cases, pred = {}, {}
+        for B in batches:
+            m = pieces(cfg, None, B, W, target, kv_dtype=kv, step=False)  # full depth only
+            full = m.pieces.full_depth(cfg.n_layers)
+            peak = peaks[dtype]
+            t = seconds(full, peak, peaks["bytes"])
+            bound = "memory" if full.bytes / peaks["bytes"] >= full.flops / peak else "compute"
+            hl = hand_layer(cfg, B, W, jnp.dtype(kv).itemsize)
+            pieces_txt = (f"{m.parts['layer (K/V as input)'][0].bytes / 1e6:.2f} / "
+                          f"{(hl.total - hl.kv_write) / 1e6:.2f} | "
+                          f"{m.pieces.fixed.bytes / 1e6:.1f} / "
+                          f"{hand_fixed(cfg, B).total / 1e6:.1f}")
+            pred[B] = (full, t, bound, analytic_step(cfg, B, W, jnp.dtype(kv).itemsize),
+                       pieces_txt)
+            cases[B] = step_case(cfg, params, B, W * PAGE - 1)
+        for B in batches:  # one timer per batch: full depth only, so no ratio to pair
+            load = other_load(1.0)
+            times = time_steps({"full": cases[B]}, rounds)["full"]
+            ms = 1e3 * median(times.wall)
+            full, t, bound, an, pieces_txt = pred[B]
+            lines.append(f"| {dtype} | {B} | {pieces_txt} | {full.flops / 1e9:.2f} | "
+                         f"{full.bytes / 1e6:.1f} | {an / 1e6:.1f} | {t * 1e3:.2f} ({bound}) | "
+                         f"{ms:.2f} | {ms / (t * 1e3):.2f}x | {load:.0%} |")
+            log(lines[-1])
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(aot.MODEL_SHAPES))
     ap.add_argument("--targets", nargs="+", default=["tpu:v5e", "tpu:v6e", "cuda:h100"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=512, help="tokens each row attends to")
+    ap.add_argument("--cpu", choices=("yes", "no", "only"), default="yes",
+                    help="the CPU cross-check (SmolLM2 f32/bf16, batch 1 and 8, timed)")
+    ap.add_argument("--rounds", type=int, default=5, help="CPU cross-check timing rounds")
     ap.add_argument("--out", default="runs/roofline.md")
     args = ap.parse_args(argv)
     W = -(-args.context // PAGE)
     base_ec = aot.shipped_exit_config()
     lines = []
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
-                if ln.startswith("Model name")), platform.processor())
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines.append(f"Command: `python -m bench.roofline {' '.join(argv or sys.argv[1:])}`, "
-                 f"{stamp}, host CPU {cpu} (the compiles run here; the times are predictions "
-                 f"for the targets), JAX {jax.__version__}, bf16, context {args.context} "
-                 f"tokens a row (W={W} pages of {PAGE}).\n")
+                 f"{stamp}, host CPU {cpu_model()} ({num_cpus()} cores; the compiles run "
+                 f"here, the accelerator times are predictions), JAX {jax.__version__}, bf16, "
+                 f"context {args.context} tokens a row (W={W} pages of {PAGE}).\n")
     t_start = time.perf_counter()
-    checks_lines, tables = [], []
-    for model in args.models:
+    checks_lines, tables, parts_lines = [], [], []
+    for model in args.models if args.cpu != "only" else []:
         cfg = aot.shape_config(model)
         L = cfg.n_layers
         ec = aot.scaled_exit_config(base_ec, L, SHIPPED_LAYERS)
         checked = checked_layers(ec, L)
         for tname in args.targets:
             target = aot.parse_target(tname)
+            if target.chip is None:
+                raise SystemExit(f"--targets {tname}: no published peaks; this CPU's roofline "
+                                 f"is the cross-check (--cpu only)")
             chips = [target.chip] + ([aot.CHIPS["h200"]] if tname.startswith("cuda") else [])
             rows = {}
             for B in args.batches:
                 t0 = time.perf_counter()
                 try:
-                    p, first, step = pieces(cfg, ec, B, W, target)
+                    m = pieces(cfg, ec, B, W, target)
                 except Exception as e:  # e.g. the model does not fit one chip's HBM
                     msg = " ".join(str(e).split())[:160]
-                    print(f"{model} {target.name} B={B}: FAILED {msg}", file=sys.stderr,
-                          flush=True)
+                    log(f"{model} {target.name} B={B}: FAILED {msg}")
                     checks_lines.append(f"| {model} | {target.name} | {B} | failed: {msg} "
                                         f"| | | | | | |")
                     continue
-                rows[B] = (p, first, step)
-                comp = p.full_depth(L)
-                an = L * analytic_layer_bytes(cfg, B, W)
+                rows[B] = m
+                comp = m.pieces.full_depth(L)
+                copies = m.copies["fixed"] + L * m.copies["layer"]
+                an = analytic_step(cfg, B, W)
+                verdict = "within 10 %" if abs(comp.bytes / an - 1) <= 0.10 else "NOT within 10 %"
                 checks_lines.append(
-                    f"| {model} | {target.name} | {B} | {p.layer.bytes / 1e6:.1f} | "
-                    f"{analytic_layer_bytes(cfg, B, W) / 1e6:.1f} | "
-                    f"{p.layer.bytes * L / an - 1:+.1%} | {comp.bytes / 1e6:.1f} | "
-                    f"{step.bytes / 1e6:.1f} | {comp.flops / 1e9:.2f} | "
-                    f"{step.flops / 1e9:.2f} |")
-                print(f"{model} {target.name} B={B}: pieces in {time.perf_counter() - t0:.0f}s"
-                      f"; layer bytes {p.layer.bytes / 1e6:.1f} MB (analytic "
-                      f"{analytic_layer_bytes(cfg, B, W) / 1e6:.1f}); composed full step "
-                      f"{comp.bytes / 1e6:.1f} MB vs compiled {step.bytes / 1e6:.1f} MB",
-                      file=sys.stderr, flush=True)
+                    f"| {model} | {target.name} | {B} | {comp.bytes / 1e6:.1f} | "
+                    f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
+                    f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
+                    f"{_mb(m.step)} | "
+                    f"{(m.pieces.fixed + m.parts[POOL][0]).bytes / 1e6:.1f} |")
+                for name, (c, hand) in m.parts.items():
+                    cp = m.copies.get(name.split(" (")[0], 0.0)
+                    parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
+                                       f"{c.bytes / 1e6:.2f} | {cp / 1e6:.2f} | "
+                                       f"{hand / 1e6:.2f} | {c.bytes / hand:.2f}x |")
+                for name, c in (("first check", m.first), ("later check", m.pieces.check)):
+                    parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
+                                       f"{c.bytes / 1e6:.2f} | {m.copies[name] / 1e6:.2f} "
+                                       f"| | |")
+                log(f"{model} {target.name} B={B}: pieces in {time.perf_counter() - t0:.0f}s; "
+                    f"composed full step {comp.bytes / 1e6:.1f} MB vs analytic {an / 1e6:.1f} "
+                    f"MB ({comp.bytes / an - 1:+.1%}: {verdict}); compiled step (loop body "
+                    f"once) {_mb(m.step)} MB")
             for chip in chips:
                 if rows:
                     tables.append(_table(model, target, chip, cfg, ec, checked, rows, W))
-    lines.append("### Predicted decode step (roofline) and early-exit speed-up\n")
-    lines.append("Speed-up = full-depth step / early-exit step, both predicted. Forced: every "
-                 "row leaves at that layer (a check at each exit layer up to it). Shipped "
-                 "histograms: the SmolLM2 heads' batch-1 row histograms (threshold 0.985; "
-                 "instructions / HumanEval / everyday chat), at the same fractions of depth "
-                 "for the other shapes (no heads exist for them: a what-if). deferred: the "
-                 "pending token runs the skipped layers in the next step, so every layer is "
-                 "paid every step; propagate: the skipped layers are K/V projections only.\n")
-    lines += tables
-    lines.append("### Cross-checks\n")
-    lines.append("Layer bytes (XLA) against the analytic count (one layer's weights + the "
-                 "K/V of B rows x W pages), and the composed full-depth step (fixed + L x "
-                 "layer) against the compiled full-depth step (one `fori_loop` over L layers; "
-                 "XLA's cost analysis counts the loop body once unless it knows the trip "
-                 "count).\n")
-    lines.append("| model | target | batch | layer MB (XLA) | layer MB (analytic) | "
-                 "L x layer vs analytic | composed step MB | compiled step MB | composed "
-                 "GFLOP | compiled GFLOP |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines += checks_lines
-    lines.append(f"\n(all compiles: {time.perf_counter() - t_start:.0f} s)")
+    if tables:
+        lines.append("### Predicted decode step (roofline) and early-exit speed-up\n")
+        lines += [TABLE_HEAD, *tables]
+        lines.append("\nChips: " + "; ".join(f"{c.name}: {c.source}" for c in aot.CHIPS.values())
+                     + "\n")
+        lines.append("### Bytes: composed step against the analytic count\n")
+        lines.append("Composed full-depth step (fixed + L x layer) against the analytic bytes "
+                     "(every weight once + the rows' K/V read + this token's K/V written); "
+                     "and the compiled full-depth step (one `fori_loop`: XLA counts its body "
+                     "once) beside fixed + 1 layer over the pool (the step's own layer: "
+                     "XLA's counts of its page gather and K/V scatter included).\n")
+        lines.append("| model | target | batch | composed MB | analytic MB | composed vs "
+                     "analytic | of which relayout copies MB | composed less copies vs "
+                     "analytic | compiled step MB | fixed + 1 pool layer MB |")
+        lines.append("|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+        lines += checks_lines
+        lines.append("\n### Pieces: XLA's bytes against the hand count\n")
+        lines.append("| model | target | batch | piece | XLA MB | of which copies MB | "
+                     "hand MB | ratio |")
+        lines.append("|---|---|---:|---|---:|---:|---:|---:|")
+        lines += parts_lines
+        ex = [(t, write_count_example(aot.parse_target(t))) for t in args.targets
+              if aot.parse_target(t).compiles]
+        for t, (xla, written, pool) in ex:
+            lines.append(f"\nK/V write of 8 tokens into a donated pool (SmolLM2 layer, 257 "
+                         f"pages), {t}: XLA counts {xla / 1e6:.2f} MB; written "
+                         f"{written / 1e3:.1f} kB; the pool is {pool / 1e6:.2f} MB.")
+        if any(aot.parse_target(t).platform == "tpu" for t in args.targets):
+            t = aot.parse_target(next(t for t in args.targets if t.startswith("tpu")))
+            for B in (1, 8):
+                pb = padding_bytes(t, B, W)
+                lines.append(f"\nhead_dim padding, SmolLM2 attention, {t.name}, batch {B}: "
+                             f"XLA path over the pool {pb['xla'] / 1e6:.2f} MB (reference "
+                             f"{pb['reference'] / 1e6:.2f} MB, XLA's counts); floor (the rows' "
+                             f"K/V once) {pb['floor'] / 1e6:.2f} MB; a kernel over a cache "
+                             f"padded to 128 reads {pb['padded'] / 1e6:.2f} MB.")
+    if args.cpu != "no":
+        lines.append("\n### CPU cross-check\n")
+        lines += cpu_crosscheck([1, 8], W, args.rounds)
+    lines.append(f"\n(all compiles and timings: {time.perf_counter() - t_start:.0f} s)")
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
@@ -233,18 +531,20 @@ def main(argv=None) -> int:
     return 0
 
 
+TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full depth ms (analytic "
+              "bytes) | forced L/2 propagate | forced 3L/4 propagate | forced L/2 deferred | "
+              "shipped hist. propagate (instr / code / chat) | shipped hist. deferred |\n"
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|")
+
+
 def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
+    """Rows of the prediction table for one model on one chip."""
     L = cfg.n_layers
     half, tq = L // 2, (3 * L) // 4
     how = "compiled" if target.compiles else "lowered"
-    out = [f"**{model}** ({L} layers) on **{chip.name}** ({how} for {target.name}; "
-           f"{chip.source})\n",
-           "| batch | full depth ms (XLA counts) | bound | full depth ms (analytic bytes) | "
-           "forced L/2 propagate | forced 3L/4 propagate | forced L/2 deferred | "
-           "shipped hist. propagate (instr / code / chat) | "
-           "shipped hist. deferred (instr / code / chat) |",
-           "|---:|---:|---|---:|---:|---:|---:|---|---|"]
-    for B, (p, first, _) in rows.items():
+    out = []
+    for B, m in rows.items():
+        p, first = m.pieces, m.first
         full = p.full_depth(L)
         t_full = seconds(full, chip.peak_flops, chip.hbm_bytes_per_s)
         bound = "memory" if full.bytes / chip.hbm_bytes_per_s >= \
@@ -258,7 +558,7 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
 
         def hist(bf):
             if B != 1:
-                return "n/a (batch 1 histograms)"
+                return "n/a"
             parts = []
             for h in SHIPPED.values():
                 sh = scaled_histogram(h, L)
@@ -269,14 +569,14 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
                 parts.append(speed(c))
             return " / ".join(parts)
 
-        an = L * analytic_layer_bytes(cfg, B, W) + cfg.vocab_size * cfg.d_model * \
-            cfg.jnp_dtype.itemsize  # + the LM head
-        t_an = max(an / chip.hbm_bytes_per_s, full.flops / chip.peak_flops)
-        out.append(f"| {B} | {t_full * 1e3:.3f} | {bound} | {t_an * 1e3:.3f} | "
+        t_an = max(analytic_step(cfg, B, W) / chip.hbm_bytes_per_s,
+                   full.flops / chip.peak_flops)
+        out.append(f"| {model} | {chip.name} ({how}) | {B} | {t_full * 1e3:.3f} | {bound} | "
+                   f"{t_an * 1e3:.3f} | "
                    f"{forced(half, 'propagate')} | "
                    f"{forced(tq, 'propagate')} | {forced(half, 'deferred')} | "
                    f"{hist('propagate')} | {hist('deferred')} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -225,3 +225,49 @@ def test_roofline_composition():
     assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound
     with pytest.raises(ValueError, match="back-fill"):
         p.exit_at(1, 4, 1, "learned")
+
+
+ROOF_CFG = random_config(vocab_size=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                         ffn_dim=512, n_layers=2, tie_embeddings=True, dtype="float32")
+
+
+def _hand_step_bytes(cfg, B: int, W: int, page: int = 16) -> float:
+    """Every weight once (the abstract params' bytes; the embedding is the tied LM head)
+    + the K/V of B rows x W pages read and this token's K/V written, in all layers."""
+    kv = cfg.n_layers * 2 * B * (W * page + 1) * cfg.n_kv_heads * cfg.head_dim * \
+        cfg.jnp_dtype.itemsize
+    return aot.tree_bytes(aot.abstract_params(cfg)) + kv
+
+
+def test_roofline_bytes_match_the_hand_count_on_cpu():
+    """bench/roofline.py's composed full-depth step (fixed + L x layer, compiled for this
+    CPU) moves the bytes a hand count says, within 10 % (issue 21's bar): a layer piece that
+    gathered pages out of a pool, or counted the K/V write by the pool, would be off by
+    several times."""
+    from bench import roofline
+
+    m = roofline.pieces(ROOF_CFG, None, 1, 4, aot.parse_target("cpu"), step=False)
+    composed = m.pieces.full_depth(ROOF_CFG.n_layers).bytes
+    hand = _hand_step_bytes(ROOF_CFG, 1, 4)
+    assert abs(composed / hand - 1) <= 0.10, (composed, hand)
+
+
+@needs_libtpu
+def test_roofline_bytes_match_the_hand_count_on_tpu():
+    """The same on a TPU v5e compile (bf16), counted with memory-space assignment off: with
+    it on, XLA also counts a weight's staging copy into VMEM and the read of it there (a
+    batch-8 matmul: several times the weight), which no HBM roofline should add."""
+    from bench import roofline
+
+    cfg = dataclasses.replace(ROOF_CFG, dtype="bfloat16")
+    target = aot.parse_target("tpu:v5e")
+    m = roofline.pieces(cfg, None, 1, 4, target, step=False)
+    composed = m.pieces.full_depth(cfg.n_layers).bytes
+    assert abs(composed / _hand_step_bytes(cfg, 1, 4) - 1) <= 0.10
+    dev = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
+    x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=dev) for s in ((8, 576), (576, 1536)))
+    lowered = jax.jit(jnp.matmul).lower(x, w)
+    hand = 2 * (8 * 576 + 576 * 1536 + 8 * 1536)
+    off = aot.cost_of(lowered.compile(compiler_options=roofline.TPU_COUNT_OPTIONS))[1]
+    on = aot.cost_of(lowered.compile())[1]
+    assert abs(off / hand - 1) < 0.02 and on > 2 * hand, (off, on, hand)
