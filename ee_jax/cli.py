@@ -610,8 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[2:] if argv is None else list(argv)[1:]  # after the subcommand
     # Process-wide JAX settings are the entry point's to make, not a library constructor's:
-    # the persistent compilation cache ($EE_JAX_COMPILATION_CACHE, "" turns it off).
-    enable_compilation_cache(compilation_cache_from_env())
+    # the persistent compilation cache ($EE_JAX_COMPILATION_CACHE, "" turns it off). Not for
+    # `compile`: a program built for a topology this host lacks cannot be loaded back here
+    # (libtpu: "PjRtCompiler must be constructed with a Client"), and it times compiles.
+    if args.func is not _compile:
+        enable_compilation_cache(compilation_cache_from_env())
     try:
         return args.func(args)
     except (EEJaxError, ValueError, OSError) as e:  # bad knobs, files, ports
