@@ -31,7 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from ee_jax.serving.compilation import quiet_libtpu
+
 REPO = Path(__file__).resolve().parent.parent
+# An entry point: libtpu (the tpu-aot extra) on a host without a TPU stays quiet.
+quiet_libtpu()
 
 
 # --------------------------------------------------------------------------- logging, machine

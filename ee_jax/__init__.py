@@ -4,14 +4,9 @@ from ee_jax.errors import EEJaxError, ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ModelConfig, RopeScaling
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model
-from ee_jax.serving.aot import quiet_libtpu
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
-
-# libtpu installed (the tpu-aot extra) on a host without a TPU: JAX's start-up probes it, and
-# it would print warnings about host bounds and worker hostnames (ee_jax.serving.aot).
-quiet_libtpu()
 
 __all__ = [
     "LLM",

@@ -13,7 +13,11 @@ from pathlib import Path
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
-from ee_jax.serving.compilation import compilation_cache_from_env, enable_compilation_cache
+from ee_jax.serving.compilation import (
+    compilation_cache_from_env,
+    enable_compilation_cache,
+    quiet_libtpu,
+)
 
 
 def _read_prompts(args) -> list[dict]:
@@ -608,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     """Every mistake ends in one line on stderr and exit status 2 (argparse's own usage
     errors too); a traceback means a bug in ee-jax."""
     args = build_parser().parse_args(argv)
+    # libtpu installed (the tpu-aot extra) on a host without a TPU: JAX's start-up probes it
+    # and it would warn about host bounds and worker hostnames (`compilation.quiet_libtpu`).
+    quiet_libtpu()
     args.argv = sys.argv[2:] if argv is None else list(argv)[1:]  # after the subcommand
     # Process-wide JAX settings are the entry point's to make, not a library constructor's:
     # the persistent compilation cache ($EE_JAX_COMPILATION_CACHE, "" turns it off). Not for

@@ -31,7 +31,12 @@ import pytest
 from hypothesis import settings
 
 from ee_jax.models import registry
+from ee_jax.serving.compilation import quiet_libtpu
 from ee_jax.serving.model_runner import step_program
+
+# libtpu is installed for the TPU lowering tests: without this, every test process would
+# warn about TPU host bounds, and the second xdist worker could not load libtpu (its lock).
+quiet_libtpu()
 
 # Every run draws the same examples (derandomised: a fresh clone, CI and a developer see the
 # same suite); HYPOTHESIS_PROFILE=explore draws new ones, to look for bugs on purpose. A

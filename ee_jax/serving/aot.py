@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -125,21 +124,6 @@ def parse_target(text: str) -> Target:
                       f"(TPU generations: {', '.join(_TPU_KINDS)})")
 
 
-def quiet_libtpu() -> None:
-    """On a host with no TPU chip, tell libtpu it is one host with no workers to find:
-    otherwise its start-up prints warnings that it could not determine the accelerator type,
-    host bounds and worker hostnames (harmless: there is no TPU to run on, only to compile
-    for), and it would hold /tmp/libtpu_lockfile so that a second process (another test run,
-    a compile beside a server) failed to load it: with no chip there is nothing to guard. A
-    TPU VM's own settings are left alone."""
-    from jax._src import hardware_utils
-
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-        os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
 @functools.cache
 def target_devices(target: Target) -> tuple:
     """The devices programs for `target` are compiled against: the TPU topology's (from
@@ -148,7 +132,7 @@ def target_devices(target: Target) -> tuple:
         return tuple(jax.devices("cpu"))
     if target.platform == "cuda":
         return ()
-    quiet_libtpu()
+    compilation.quiet_libtpu()
     from jax.experimental import topologies
 
     gen = next(k for k, c in CHIPS.items() if c == target.chip)
@@ -509,5 +493,5 @@ def memory(plan: Plan, rows: list[Row]) -> Memory | None:
 
 __all__ = ["CHIPS", "KNOWN_TARGETS", "MODEL_SHAPES", "Chip", "Memory", "Plan", "Row",
            "Target", "TargetError", "abstract_params", "build", "export_cuda", "memory",
-           "parse_target", "plan_model", "quiet_libtpu", "scaled_exit_config", "shape_config",
+           "parse_target", "plan_model", "scaled_exit_config", "shape_config",
            "target_devices", "variants"]

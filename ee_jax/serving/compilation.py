@@ -45,6 +45,21 @@ def pipelined(items: Iterable[Any], lower: Callable[[Any], Any], finish: Callabl
             yield pending.popleft().result()
 
 
+def quiet_libtpu() -> None:
+    """On a host with no TPU chip, tell libtpu it is one host with no workers to find:
+    otherwise its start-up prints warnings that it could not determine the accelerator type,
+    host bounds and worker hostnames (harmless: there is no TPU to run on, only to compile
+    for), and it would hold /tmp/libtpu_lockfile so that a second process (another test run,
+    a compile beside a server) failed to load it: with no chip there is nothing to guard. A
+    TPU VM's own settings are left alone."""
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def compilation_cache_from_env() -> str | None:
     """The cache folder an entry point should use: $EE_JAX_COMPILATION_CACHE when set (empty:
     None, off), else ~/.cache/ee-jax/xla."""
