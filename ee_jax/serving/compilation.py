@@ -32,8 +32,8 @@ def pipelined(items: Iterable[Any], lower: Callable[[Any], Any], finish: Callabl
     """finish(lower(item)) for every item, yielded in order: `lower` (tracing and lowering,
     which hold Python's lock) runs here, one item after another; `finish` (XLA's compile, or
     a persistent-cache load) runs on `workers` threads (default: the host's cores), beside
-    the next items' lowering. Several programs then compile at once: a TPU host's many cores
-    cut an engine's warm-up by as many, and even 2 cores nearly halve it."""
+    the next items' lowering, so several programs compile at once (XLA's compile of one
+    program uses about one core)."""
     workers = max(1, workers or os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers, "ee-jax-compile") as pool:
         pending: collections.deque = collections.deque()
