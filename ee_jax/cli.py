@@ -394,9 +394,10 @@ def _compile(args) -> int:
           + (f"; {len(failed)} FAILED" if failed else ""))
     if any(r.flops is not None for r in rows):
         print("  roofline: max(flops / peak, bytes / bandwidth) from XLA's cost analysis of "
-              "the whole program, as XLA counts it (sampling's vocabulary sort included, a "
-              "loop's body once); * exit programs: one pass of the loop, not the step. "
-              "bench/roofline.py composes the decode step from pieces")
+              "the whole program as XLA counts it: a loose upper bound (it counts VMEM "
+              "staging, an in-place cache write by its whole pool and a loop's body once; "
+              "* exit programs: one pass of the loop). `python -m bench.roofline` composes "
+              "the decode step from pieces counted faithfully (docs/roofline.md)")
     mem = aot.memory(plan, rows)
     if mem is not None:
         print(f"memory per chip ({chip.name}): {mem.verdict()}")
