@@ -16,7 +16,6 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.exit_cost import (
     cost_model,
-    ideal_speedup_with_head,
     kv_fraction,
     layer_macs,
     map_fraction,
@@ -148,9 +147,7 @@ def exit_summary(stats: EngineStats, cfg: ModelConfig, ec: ExitConfig | None = N
     head_layers (the final norm and LM head in layer-equivalents, as the cost model counts
     it), work_fraction (layers x rows computed / full depth's) and checks_per_step
     (vocabulary projections per decode step).
-    With exits: exit_head, first_check, later_check (layer-equivalents) and, under back-fill
-    "deferred", ideal_free_completion (the per-token ideal were the skipped layers free: what
-    deferred never reaches, since its pending tokens run them)."""
+    With exits: exit_head, first_check, later_check (layer-equivalents)."""
     L = cfg.n_layers
     mean = stats.mean_layers_per_row or float(L)
     rows = sum(stats.row_exit_counts.values())
@@ -166,19 +163,13 @@ def exit_summary(stats: EngineStats, cfg: ModelConfig, ec: ExitConfig | None = N
     if full is not None:
         out.update(exit_head=full.exit_head, first_check=full.checks[0] if full.checks else 0.0,
                    later_check=full.checks[-1] if full.checks else 0.0)
-        if full.completion and stats.row_exit_counts:
-            out["ideal_free_completion"] = ideal_speedup_with_head(
-                cfg, ec, stats.row_exit_counts, 0.0)
     return out
 
 
 def format_exit_summary(summary: dict, cfg: ModelConfig, ec: ExitConfig) -> str:
     """The early-exit line of the CLI's summary, from `exit_summary`."""
     vocab = f"{ec.vocab_subset:,}-id subset" if ec.vocab_subset else "whole vocabulary"
-    deferred = ("" if "ideal_free_completion" not in summary else
-                f"; back-fill 'deferred' runs the skipped layers in the next step, counted as "
-                f"whole layers: {summary['ideal_free_completion']:.2f}x if they were free, as "
-                f"where decode is memory-bound")
+    deferred = f"; back-fill {ec.backfill!r}, counted as the steps run it"
     check = (f"first check {summary['first_check']:.2f}, later checks "
              f"{summary['later_check']:.3f} each" if ec.measure == "candidates"
              else f"each check {summary['first_check']:.2f}")
