@@ -111,8 +111,31 @@ def test_the_cli_summary_leaves_compiling_steps_out_and_says_how_many(slow_compi
     ms, warm_steps, compiled = float(m[1]), int(m[2]), int(m[3])
     assert compiled >= 1 and warm_steps >= 5
     assert ms < 1000 * SLOW / 4  # a compile counted in would add SLOW / steps at least
-    t = re.search(r"time to first token: mean ([\d.]+)s, median [\d.]+s, compiles left out "
-                  r"\((\d+) of (\d+) requests waited on one; with them: mean ([\d.]+)s\)", err)
+    # both requests waited on the prefill's compile: no warm figure is made up for them
+    t = re.search(r"time to first token: every request \((\d+)\) waited on a compile, mean "
+                  r"([\d.]+)s with it", err)
     assert t, err
-    assert int(t[2]) == int(t[3]) == 2  # both waited on the prefill's compile
-    assert float(t[1]) < float(t[4]) - SLOW
+    assert int(t[1]) == 2 and float(t[2]) > SLOW
+
+
+@pytest.mark.parametrize("waits", [(0.0, 0.0, 2.0), (1.5, 2.0, 3.0)])
+def test_first_token_figures_count_only_requests_that_waited_on_no_compile(waits):
+    """The summary's warm time to first token is the mean over the requests that waited on
+    no compile (not their times less the compiling steps, which on CPU also ran the prefill);
+    with none such it says so. Requests arrive at 0 and get their first token at 1, 2, 3 s."""
+    from types import SimpleNamespace
+
+    from ee_jax.cli import _timing_lines
+    from ee_jax.serving.params import RequestMetrics
+    from ee_jax.serving.stats import EngineStats
+
+    outs = [SimpleNamespace(metrics=RequestMetrics(0.0, 0.0, float(i + 1), compile_wait=w))
+            for i, w in enumerate(waits)]
+    line = _timing_lines(EngineStats(), outs)[1]
+    if waits[0] == 0.0:  # the first two waited on none: mean and median of 1 and 2 s
+        assert line.startswith("time to first token: mean 1.500s, median 1.500s over the 2 "
+                               "requests that waited on no compile (1 of 3 waited on one; "
+                               "with them: mean 2.000s)"), line
+    else:
+        assert line.startswith("time to first token: every request (3) waited on a compile, "
+                               "mean 2.000s with it"), line
