@@ -17,11 +17,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
-# No persistent compilation cache in the suite (EngineConfig's default follows
-# $EE_JAX_COMPILATION_CACHE; empty: off). With it on, the full suite aborted inside XLA while
-# writing or reading test_sharding's tp=4 executable ("Fatal Python error: Aborted" in
+# No persistent compilation cache in the suite (the CLI's default follows
+# $EE_JAX_COMPILATION_CACHE; empty: off). With it on, the full suite once aborted inside XLA
+# while writing or reading test_sharding's tp=4 executable ("Fatal Python error: Aborted" in
 # compilation_cache.put_executable_and_time / get_executable_and_time, 2026-12-02; the test
-# alone passed): not root-caused, see the session note. Subprocesses inherit the setting.
+# alone passed): most likely the process running out of memory maps (docs/testing.md), which
+# `_free_compiled_programs` below now prevents. Subprocesses inherit the setting.
 os.environ.setdefault("EE_JAX_COMPILATION_CACHE", "")
 
 import gc
