@@ -120,7 +120,8 @@ def _generate(args) -> int:
 def _timing_lines(s, outs) -> list[str]:
     """Decode speed and time to first token as a warm server gives them: steps that compiled
     a program are left out (and counted), so a mid-run compile does not pass for slow decoding
-    (`EngineStats.decode_step_time`, `RequestMetrics.warm_time_to_first_token`)."""
+    (`EngineStats.decode_step_time`); time to first token over the requests that waited on
+    no compile (`RequestMetrics.compile_wait` == 0)."""
     warm_steps = s.num_decode_steps - s.num_decode_compiles
     lines = [f"decode {s.decode_tokens_per_s:.1f} tok/s, {1000 * s.decode_step_time:.1f} "
              f"ms/step over {warm_steps} steps ({s.num_decode_compiles} that compiled left "

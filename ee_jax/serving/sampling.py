@@ -133,9 +133,10 @@ def _filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     kth = _min_key_where(lambda t: jnp.sum(above(t), axis=-1) < k, top)  # [B]
     e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))         # [B, V]
     kth_e = jnp.max(jnp.where(keys == kth[:, None], e, 0.0), axis=-1)     # [B]
-    n_above = jnp.sum(above(kth), axis=-1)
+    over_kth = above(kth)                                                  # [B, V]
+    n_above = jnp.sum(over_kth, axis=-1)
     # The top-k mass (ties at the k-th value counted up to k logits, as a sort would).
-    mass_k = jnp.sum(jnp.where(above(kth), e, 0.0), axis=-1) + (k - n_above) * kth_e
+    mass_k = jnp.sum(jnp.where(over_kth, e, 0.0), axis=-1) + (k - n_above) * kth_e
     nucleus = _min_key_where(
         lambda t: (jnp.sum(jnp.where(above(t), e, 0.0), axis=-1) < top_p * mass_k)
         | (top_p >= 1.0), top)
