@@ -16,6 +16,7 @@ from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
 from ee_jax.serving.compilation import (
     compilation_cache_from_env,
     enable_compilation_cache,
+    program_cache_dir,
     quiet_libtpu,
 )
 
@@ -181,8 +182,14 @@ def _follower(llm) -> bool:
 def _precompile(args, llm) -> None:
     if args.precompile != "none":
         kinds = ("decode",) if args.precompile == "decode" else ("decode", "prefill")
-        n = llm.engine.precompile(kinds, progress=not args.quiet)
-        print(f"ee-jax: compiled {n} step programs ahead ({args.precompile})", file=sys.stderr)
+        s = llm.engine.stats
+        loaded0, t0 = s.num_programs_loaded, s.compile_time
+        n = llm.engine.precompile(kinds, progress=not args.quiet,
+                                  program_cache=program_cache_dir())
+        loaded = s.num_programs_loaded - loaded0
+        print(f"ee-jax: {n} step programs ready ({args.precompile}) in "
+              f"{s.compile_time - t0:.1f}s: {n - loaded} compiled, {loaded} loaded from the "
+              f"program cache", file=sys.stderr)
 
 
 def _load_model(args):

@@ -305,11 +305,11 @@ class Plan:
                               f"{target.name} has {target.num_devices}")
         if spec.size > 1:
             spec.validate_for(cfg)
-        sched = config.scheduler_config()
         name = attention or config.attention
         if name == "auto":
             name = "reference" if spec.size > 1 else \
                 {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(target.platform, "xla")
+        sched = config.scheduler_config(name, target.platform)
         kv_dtype = config.kv_dtype or cfg.dtype
         platform = "gpu" if target.platform == "cuda" else target.platform
         pages = num_pages_for(cfg, config, bytes_per_page(cfg, config.page_size, kv_dtype,

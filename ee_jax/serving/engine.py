@@ -15,6 +15,7 @@ import time
 import zlib
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
@@ -24,9 +25,15 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
-from ee_jax.serving import sharding
+from ee_jax.serving import distributed, sharding
+from ee_jax.serving.attention_kernels import follows_lengths
 from ee_jax.serving.block_manager import BlockManager
-from ee_jax.serving.compilation import compiles_on_this_thread, pipelined
+from ee_jax.serving.compilation import (
+    ProgramCache,
+    check_memory_maps,
+    compiles_on_this_thread,
+    pipelined,
+)
 from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
@@ -86,13 +93,18 @@ class EngineConfig:
     # full-depth one (ee_jax.serving.controller; mode "exits": always the exit program).
     exit_control: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, attention: str | None = None,
+                         platform: str | None = None) -> SchedulerConfig:
+        """The scheduler's config; given the attention backend the steps run (`attention`,
+        resolved on `platform`), decode page tables take one width where its cost follows
+        the rows' lengths (`attention_kernels.follows_lengths`)."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets,
             prefill_row_tokens=self.prefill_row_tokens,
-            prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps)
+            prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps,
+            decode_page_ladder=attention is None or not follows_lengths(attention, platform))
 
 
 def num_pages_for(cfg: ModelConfig, config: EngineConfig, per_page: int) -> int:
@@ -126,11 +138,6 @@ class LLMEngine:
                 f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
                 f"cannot hold one sequence of max_model_len={config.max_model_len}; raise "
                 f"num_pages/kv_cache_gib or lower max_model_len")
-        self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
-        self.scheduler = Scheduler(sched_cfg, self.blocks)
-        # the running requests' step inputs, kept across steps (architecture.md section 3)
-        self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
-                                      exit_config.threshold if exit_config else np.inf)
         self.exit_config = exit_config
         cache_sharding = None
         if config.mesh:
@@ -148,6 +155,13 @@ class LLMEngine:
             # path's row gather over a reshaped cache made XLA gather the whole cache per
             # layer when KV heads are split (bench/collectives.py).
             attention = "reference"
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+        sched_cfg = config.scheduler_config(attention, platform)
+        self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
+        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        # the running requests' step inputs, kept across steps (architecture.md section 3)
+        self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
+                                      exit_config.threshold if exit_config else np.inf)
         self.runner = ModelRunner(cfg, params,
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
                                                  sharding=cache_sharding),
@@ -455,20 +469,43 @@ class LLMEngine:
     # -- compiling ahead -------------------------------------------------------------------
 
     def precompile(self, kinds: tuple[str, ...] = ("decode", "prefill"), *,
-                   progress: bool = True) -> int:
-        """Compile every step shape the scheduler can produce (of these kinds) now, so no
-        request waits for a compile mid-run; returns how many programs that is. With the
-        persistent compilation cache, a restart loads them instead. XLA compiles several at
-        once, on the host's cores (`compilation.pipelined`)."""
-        shapes = [s for s in self.scheduler.config.step_shapes(kinds)
-                  if s not in self.runner.traces]
+                   progress: bool = True, program_cache: str | None = None) -> int:
+        """Compile every step shape the scheduler can produce (of these kinds; decode also
+        at full depth where the exit controller may pick it) now, so no request waits for a
+        compile mid-run; returns how many programs that is. XLA compiles
+        several at once, on the host's cores (`compilation.pipelined`). With
+        `program_cache` (a folder: `compilation.program_cache_dir()` is the one beside the
+        persistent cache), each program is loaded from there when an earlier run kept it,
+        with no tracing, and kept there when compiled: a restarted server is ready in
+        seconds. Not across processes of one engine (`distributed`): each compiles."""
+        shapes = self.scheduler.config.step_shapes(kinds)
+        if self.controller is not None and self.controller.config.mode != "exits":
+            # the full-depth decode programs the controller may run instead
+            shapes += [dataclasses.replace(s, exits=False) for s in shapes
+                       if s.kind == "decode"]
+        shapes = [s for s in shapes if s not in self.runner.traces]
+        store = ProgramCache(program_cache) if program_cache and \
+            not distributed.is_multiprocess() else None
         t0 = time.perf_counter()
-        done = pipelined(shapes, self.runner.lower, self.runner.compile_lowered)
-        for _ in tqdm(done, total=len(shapes), desc="compiling steps", unit="program",
-                      file=sys.stderr, disable=not progress, leave=False):
-            pass
+        with tqdm(total=len(shapes), desc="compiling steps", unit="program", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            missing = shapes
+            if store is not None:
+                bar.set_description("loading steps")
+                missing = []
+                for shape, loaded in pipelined(
+                        shapes, lambda s: s, lambda s: (s, self.runner.load_program(s, store))):
+                    bar.update(loaded)
+                    missing += [] if loaded else [shape]
+                    check_memory_maps(len(self.runner.traces))
+                bar.set_description("compiling steps")
+            for _ in pipelined(missing, lambda s: (s, self.runner.lower(s)),
+                               lambda sl: self.runner.keep_program(*sl, store)):
+                bar.update()
+                check_memory_maps(len(self.runner.traces))
         self.stats.compile_time += time.perf_counter() - t0
-        self.stats.num_compiles += len(shapes)
+        self.stats.num_compiles += len(missing)
+        self.stats.num_programs_loaded += len(shapes) - len(missing)
         return len(shapes)
 
     # -- introspection -----------------------------------------------------------------

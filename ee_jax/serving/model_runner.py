@@ -25,6 +25,7 @@ from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.exit_heads import check_heads, init_heads, with_vocab_rows
 from ee_jax.serving import distributed, sharding
 from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
 from ee_jax.serving.step import Pending, model_step, policy_for
@@ -346,6 +347,12 @@ class ModelRunner:
             SingleDeviceSharding(device) if mesh is None else sharding.replicated(mesh))
         self.program = step_program(StepConfig(cfg, exit_config, attention, mesh))
         self._step = self.program.jitted
+        # The devices the steps run on, in the order the programs are compiled for.
+        self.devices: list[jax.Device] = list(mesh.devices.flat) if mesh is not None else \
+            [device]
+        # Compiled programs this runner holds itself (`precompile` compiled or loaded them):
+        # steps of these shapes call them directly, bypassing jit's trace/lowering caches.
+        self._programs: dict[StepShape, jax.stages.Compiled] = {}
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step without waiting for it; returns the device result (read it with
@@ -369,11 +376,12 @@ class ModelRunner:
             dev = jax.device_put(buf)  # a transfer (jnp.asarray compiles per shape)
         else:
             dev = sharding.shard(buf, sharding.replicated(self.mesh))
+        program = self._programs.get(shape)
+        step = functools.partial(self._step, shape) if program is None else program
         with self._tracing(shape), \
                 contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-            self.cache, out, self.last_tokens, self.pending = self._step(
-                shape, self.params, self.exit_heads, self.cache, dev, self.last_tokens,
-                self.pending)
+            self.cache, out, self.last_tokens, self.pending = step(
+                self.params, self.exit_heads, self.cache, dev, self.last_tokens, self.pending)
         return out
 
     @contextlib.contextmanager
@@ -421,6 +429,33 @@ class ModelRunner:
         """Compile a program `lower` gave (any thread: `compilation.pipelined`)."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return lowered.compile()
+
+    # -- the program cache (`compilation.ProgramCache`): a restart loads, never traces ------
+
+    def program_key(self, store: ProgramCache, shape: StepShape) -> str:
+        """The key of this runner's program of `shape`: the static step configuration, the
+        shape, the arguments' tree, shapes, dtypes and placement, and the devices."""
+        args = (self.params, self.exit_heads, self.cache, self.last_tokens, self.pending)
+        return store.key(self.program.config, shape, abstract_signature(args),
+                         [(d.id, d.device_kind, d.platform) for d in self.devices])
+
+    def load_program(self, shape: StepShape, store: ProgramCache) -> bool:
+        """Take the program of `shape` from `store` if it holds it (any thread)."""
+        compiled = store.load(self.program_key(store, shape), self.devices)
+        if compiled is not None:
+            self._programs[shape] = compiled
+            self.traces.setdefault(shape, 0)
+        return compiled is not None
+
+    def keep_program(self, shape: StepShape, lowered: Any,
+                     store: ProgramCache | None = None) -> jax.stages.Compiled:
+        """Compile `lowered` (`lower(shape)`'s, any thread), run its steps through it from
+        now on, and save it in `store`."""
+        compiled = self.compile_lowered(lowered)
+        self._programs[shape] = compiled
+        if store is not None:
+            store.save(self.program_key(store, shape), compiled)
+        return compiled
 
     @property
     def num_traces(self) -> int:

@@ -78,6 +78,11 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     min_page_bucket: int = 4  # decode steps' narrowest page table
+    # Decode page tables take widths on a ladder (`_next_bucket`, from min_page_bucket), for
+    # attention whose cost follows the table's width; False: pages_per_seq alone, for
+    # attention whose cost follows the rows' lengths (`attention_kernels.follows_lengths`),
+    # so decode needs one program per batch bucket, not one per width too.
+    decode_page_ladder: bool = True
     # Prefill (and mixed) steps: few shapes, so precompiling them all is cheap (arrivals
     # form prefill and mixed steps of any row count, length and furthest position, which no
     # warm-up by example meets). A step of N packed tokens pads its rows to at least
@@ -135,9 +140,12 @@ class SchedulerConfig:
 
     def page_bucket(self, num_tokens: int, kind: str = "decode") -> int:
         """Page-table width of a step whose furthest row ends at `num_tokens`: decode steps
-        round up to `_next_bucket` (at least min_page_bucket), prefill steps to
+        round up to `_next_bucket` (at least min_page_bucket; pages_per_seq alone without
+        `decode_page_ladder`), prefill steps to
         `prefill_page_buckets` (default: pages_per_seq alone); at most pages_per_seq."""
         pages = math.ceil(num_tokens / self.page_size)
+        if kind == "decode" and not self.decode_page_ladder:
+            return self.pages_per_seq
         if kind == "decode":
             return min(self.pages_per_seq, max(self.min_page_bucket, _next_bucket(pages)))
         return min([w for w in self.prefill_page_buckets or () if w >= pages]

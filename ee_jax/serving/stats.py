@@ -36,6 +36,7 @@ class EngineStats:
     max_pages_used: int = 0
     compile_time: float = 0.0
     num_compiles: int = 0
+    num_programs_loaded: int = 0  # step programs `precompile` loaded whole (ProgramCache)
     num_decode_compiles: int = 0
     num_decode_tokens: int = 0  # tokens produced by decode steps that did not compile
     # seconds step() spent on the host: not waiting for the device, not compiling
