@@ -246,25 +246,23 @@ def step_args(cfg, B: int, W: int, kv_dtype=None) -> tuple:
 @functools.cache
 def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
     """(params formats, cache formats): the entry layouts the compiled full-depth step at
-    batch B picks (`layouts.lower`), what an engine allocating its weights and pool so
+    batch B picks (`layouts.pick`), what an engine allocating its weights and pool so
     would hold; from the one-layer step (the same ranks) where the whole step does not
     compile (does not fit one chip). None off TPU (CPU and CUDA: no layouts here)."""
     if target.platform != "tpu":
         return None
-    def settled(c):
-        args = step_args(c, B, W, kv_dtype)
-        picked = compile_for(full_step_fn(c), args, target, donate=(1,), auto=(0, 1))
-        fp, fc = layouts.chosen(picked, (0, 1))
-        p, cache = layouts.settle(
-            lambda a: compile_for(full_step_fn(c), a, target, donate=(1,),
-                                  out=_out((fp, jax.tree.map(lambda x: x.format, a[1])), 1)),
-            (layouts.place(args[0], fp), layouts.place(args[1], fc), *args[2:]))[:2]
-        return (jax.tree.map(lambda x: x.format, p), jax.tree.map(lambda x: x.format, cache))
+
+    def picked(c):
+        opts = TPU_COUNT_OPTIONS
+        with attention_kernels.target_platform(target.platform):
+            return layouts.pick(full_step_fn(c), _place(step_args(c, B, W, kv_dtype), target),
+                                (0, 1), donate_argnums=(1,), returned={1: 1},
+                                compile=lambda lo: lo.compile(compiler_options=opts))
 
     try:
-        return settled(cfg)
+        return picked(cfg)
     except Exception:  # e.g. RESOURCE_EXHAUSTED: the layer's layouts are the step's
-        return settled(dataclasses.replace(cfg, n_layers=1))
+        return picked(dataclasses.replace(cfg, n_layers=1))
 
 
 def _out(fmts, n: int):
@@ -355,14 +353,14 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
 
         def both(p, hd, x, s):  # as a step runs them: the heads' one layout serves both
             _, _, s = exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec, first=True)
-            return exit_checks.check_confidence(p, hd, 1, x, s, cfg, ec, first=False)[0]
+            return (exit_checks.check_confidence(p, hd, 1, x, s, cfg, ec, first=False)[0],)
 
         if target.platform == "tpu":
-            args = (params, heads, h, state)
-            heads = layouts.place(heads, layouts.chosen(
-                compile_for(both, args, target, auto=(1,)), (1,))[0])
-            heads = layouts.settle(lambda a: compile_for(both, a, target),
-                                   (params, heads, h, state))[1]
+            opts = TPU_COUNT_OPTIONS
+            with attention_kernels.target_platform(target.platform):
+                fh, = layouts.pick(both, _place((params, heads, h, state), target), (1,),
+                                   compile=lambda lo: lo.compile(compiler_options=opts))
+            heads = layouts.place(heads, fh)
         first, first_copies = cost_and_copies(check_fn(True), (params, heads, h, state),
                                               target)
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),

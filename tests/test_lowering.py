@@ -254,12 +254,13 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
     """A relayout copy of a whole table is caught, and none is left: compiled for TPU v5e,
     NARROW's batch-8 step copies its column-major embedding whole before gathering the
     tokens' rows (XLA's default entry layouts); in the entry layouts the batch-8 exit step
-    picks (`layouts.lower`, Layout.AUTO: what an engine allocating its weights, heads and
+    picks (`layouts.pick`, Layout.AUTO: what an engine allocating its weights, heads and
     pool so would hold), the full-depth and exit steps at batch 1, 2 and 8 hold no copy of
     a weight, a table or the pool (batch 1 would copy the pool in and out if its one-token
     K/V write were a dynamic-update-slice: `kv_cache.write_slots`). The exit checks score
     their candidates from the subset's rows: even in the default layouts, no step copies
     the embedding for them."""
+    from bench.roofline import _place as bench_place
     from bench.roofline import compile_for
     from ee_jax.serving import layouts
 
@@ -271,17 +272,16 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
     fn, args = _narrow_step(1, exits=True)
     assert ("bf16", (V, D)) not in _big_copies(compile_for(fn, args, target, donate=(2,)))
     fn, args = _narrow_step(8, exits=True)
-    picked = compile_for(fn, args, target, donate=(2,), auto=(0, 1, 2))
-    assert _big_copies(picked) == []
-    fp, fh, fc = layouts.chosen(picked, (0, 1, 2))
+    assert _big_copies(compile_for(fn, args, target, donate=(2,), auto=(0, 1, 2))) == []
+    fp, fh, fc = layouts.pick(fn, bench_place(args, target), (0, 1, 2), donate_argnums=(2,),
+                              returned={1: 2})
     out = (jax.tree.leaves(fc)[0].sharding, fc)  # the donated cache comes back in its format
 
     def compile_at(fn):
         return lambda a: compile_for(fn, a, target, donate=(2,), out=out)
 
-    p, h, c, *rest = args
-    p, h, c, *_ = layouts.settle(compile_at(fn), (layouts.place(p, fp), layouts.place(h, fh),
-                                                  layouts.place(c, fc), *rest))
+    p, h, c, *_ = args
+    p, h, c = layouts.place(p, fp), layouts.place(h, fh), layouts.place(c, fc)
     for B, exits in ((1, False), (2, False), (1, True), (8, True)):
         fn, (_, _, _, *rest) = _narrow_step(B, exits)
         compiled = compile_at(fn)((p, h if exits else None, c, *rest))

@@ -115,6 +115,33 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
     return args
 
 
+def pick(fn: Callable, args: tuple, auto_argnums: Sequence[int], *,
+         donate_argnums: Sequence[int] = (), returned: dict[int, int] | None = None,
+         compile: Callable[[jax.stages.Lowered], jax.stages.Compiled] = lambda lo: lo.compile()
+         ) -> tuple[Any, ...]:
+    """The formats of args[i], i in `auto_argnums`, that fn's compiled program takes with no
+    entry copy: XLA's Layout.AUTO pick, then `settle`d. fn returns a tuple; `returned` maps
+    an output to the argument it gives back ({0: 2}: output 0 is the donated args[2]),
+    which comes back in that argument's format (else the program copies it back out).
+    What an engine allocates its weights, heads and pool in: pick from its largest program
+    (the largest decode bucket) and give every other program the same arrays."""
+    returned = returned or {}
+    picked = compile(lower(fn, args, auto_argnums, donate_argnums=donate_argnums))
+    placed = list(args)
+    for i, f in zip(auto_argnums, chosen(picked, auto_argnums), strict=True):
+        placed[i] = place(args[i], f)
+    dev = _sharding(jax.tree.leaves(args)[0])
+    n_out = len(jax.eval_shape(fn, *args))
+
+    def compile_args(a):
+        out = tuple(jax.tree.map(lambda x: x.format, a[returned[o]]) if o in returned
+                    else dev for o in range(n_out))
+        return compile(lower(fn, a, donate_argnums=donate_argnums, out_shardings=out))
+
+    settled = settle(compile_args, tuple(placed))
+    return tuple(jax.tree.map(lambda x: x.format, settled[i]) for i in auto_argnums)
+
+
 def place(tree: Any, formats: Any) -> Any:
     """`tree` in `formats`: arrays put there (`jax.device_put` relayouts on the device),
     abstract leaves given the format (compiling for a machine this one need not be)."""
@@ -147,4 +174,4 @@ def copies(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
             for dt, dims in _COPY.findall(entry)]
 
 
-__all__ = ["auto", "chosen", "copies", "lower", "place", "settle", "unstacked"]
+__all__ = ["auto", "chosen", "copies", "lower", "pick", "place", "settle", "unstacked"]
