@@ -80,6 +80,8 @@ def chosen(compiled: jax.stages.Compiled, argnums: Sequence[int]) -> tuple[Any, 
 
 _PARAM = re.compile(r"%([\w.\-]+) = \w+\[[\d,]*\]\{([^}]*)\} parameter\((\d+)\)")
 _COPY_OF = re.compile(r"= \w+\[[\d,]*\]\{([^}]*)\} copy\(%([\w.\-]+)\)")
+# memory-space assignment's asynchronous copies (a prefetch) pass an array on unchanged
+_ASYNC = re.compile(r"%([\w.\-]+) = [^\n]*? copy-(?:start|done)\(%([\w.\-]+)\)")
 
 
 def _layout(text: str) -> Layout:
@@ -104,8 +106,18 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
         text = compile_args(args).as_text()
         entry = text[text.find("\nENTRY"):]
         params = {name: (int(i), lay) for name, lay, i in _PARAM.findall(entry)}
-        moved = {params[src][0]: _layout(lay) for lay, src in _COPY_OF.findall(entry)
-                 if src in params and lay.split("S(")[0] != params[src][1].split("S(")[0]}
+        via = dict(_ASYNC.findall(entry))
+
+        def source(name):
+            while name in via:
+                name = via[name]
+            return params.get(name)
+
+        moved = {}
+        for lay, src in _COPY_OF.findall(entry):
+            p = source(src)
+            if p is not None and lay.split("S(")[0] != p[1].split("S(")[0]:
+                moved[p[0]] = _layout(lay)
         if not moved:
             return args
         leaves, tree = jax.tree.flatten(args)
