@@ -262,7 +262,9 @@ def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
     try:
         return picked(cfg)
     except Exception:  # e.g. RESOURCE_EXHAUSTED: the layer's layouts are the step's
-        return picked(dataclasses.replace(cfg, n_layers=1))
+        fp, fc = picked(dataclasses.replace(cfg, n_layers=1))
+        layered = {"layers": jax.tree.map(layouts.layer_axis_major, fp["layers"])}
+        return dict(fp, **layered), jax.tree.map(layouts.layer_axis_major, fc)
 
 
 def _out(fmts, n: int):

@@ -186,4 +186,19 @@ def copies(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
             for dt, dims in _COPY.findall(entry)]
 
 
-__all__ = ["auto", "chosen", "copies", "lower", "pick", "place", "settle", "unstacked"]
+def layer_axis_major(fmt: Format) -> Format:
+    """`fmt` picked on a one-layer program (its [1, ...] arrays) made fit for the stacked
+    [L, ...] ones: the layer axis major-most, the others in their order, and no tiling of
+    its own where the layer axis is one of the two tiled (minor) axes (a [1, D] norm weight
+    tiled (2, 128): XLA's TPU compiler failed on the [32, 4096] one, "Shape mismatch between
+    parameter ... and its operand in dynamic-slice", Llama-3.1-8B)."""
+    lay = fmt.layout
+    if not isinstance(lay, Layout):
+        return fmt
+    order = (0, *(d for d in lay.major_to_minor if d != 0))
+    tiling = None if 0 in order[-2:] else lay.tiling  # tiles are over the two minor axes
+    return Format(Layout(order, tiling=tiling), fmt.sharding)
+
+
+__all__ = ["auto", "chosen", "copies", "layer_axis_major", "lower", "pick", "place", "settle",
+           "unstacked"]
