@@ -4,13 +4,16 @@ on entry (issue 21's roofline found them on TPU).
 XLA gives every parameter of a program a device layout. Left to itself ("default"), the TPU
 client picks the one that pads least: SmolLM2's [49152, 576] embedding is held column-major
 (576 would pad to 640 in 128-wide tiles, 49152 pads to nothing), the [30, 257, 16, 3, 64] K/V
-pool in (4, 128) tiles. A program that wants another layout copies the array whole, every
-call: gathering B >= 2 rows of the column-major embedding transposes all 113 MB first, a
-batch-8 layer copies its square wq, the full-depth step copies the pool in and out (SmolLM2,
-batch 8, TPU v5e: 492 MB of copies in a 1,460 MB step).
+pool tiled over (page slot, head_dim). A program that wants another layout copies the array
+whole, every call: gathering B >= 2 rows of the column-major embedding transposes all 113 MB
+first, a batch-8 layer copies its square wq, the full-depth step copies the pool in and out
+(SmolLM2, batch 8, TPU v5e: 492 MB of copies in a 1,460 MB step).
 
 Compiled with `Layout.AUTO` for those arguments, XLA picks the entry layouts the program wants
-instead (same step: no copy, 557 MB). Arrays allocated in those layouts (`place`) enter every
+instead (same step, in the layouts `pick` settles on: no copy, 110 MB; the table row-major,
+the pool tiled over (kv heads, head_dim), which at head_dim 64 pads more: 252.6 MB on the
+device for 94.7 MB of K/V, 141.6 MB in the default layout, whose batch-8 step however needs
+443 MB of temporaries for its copies). Arrays allocated in those layouts (`place`) enter every
 program with no copy: jit takes a committed array's layout as the program's entry layout, so
 the other programs (smaller buckets, exit checks) compile against the same layouts. Pick them
 from the program that moves the most (the largest decode bucket); `tests/test_lowering.py`
