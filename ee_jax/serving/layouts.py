@@ -81,8 +81,8 @@ def chosen(compiled: jax.stages.Compiled, argnums: Sequence[int]) -> tuple[Any, 
     return tuple(fmts[i] for i in argnums)
 
 
-_PARAM = re.compile(r"%([\w.\-]+) = \w+\[[\d,]*\]\{([^}]*)\} parameter\((\d+)\)")
-_COPY_OF = re.compile(r"= \w+\[[\d,]*\]\{([^}]*)\} copy\(%([\w.\-]+)\)")
+_PARAM = re.compile(r"%([\w.\-]+) = (\w+)\[[\d,]*\]\{([^}]*)\} parameter\((\d+)\)")
+_COPY_OF = re.compile(r"= (\w+)\[[\d,]*\]\{([^}]*)\} copy\(%([\w.\-]+)\)")
 # memory-space assignment's asynchronous copies (a prefetch) pass an array on unchanged
 _ASYNC = re.compile(r"%([\w.\-]+) = [^\n]*? copy-(?:start|done)\(%([\w.\-]+)\)")
 
@@ -108,7 +108,7 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
     for _ in range(rounds):
         text = compile_args(args).as_text()
         entry = text[text.find("\nENTRY"):]
-        params = {name: (int(i), lay) for name, lay, i in _PARAM.findall(entry)}
+        params = {name: (int(i), dt, lay) for name, dt, lay, i in _PARAM.findall(entry)}
         via = dict(_ASYNC.findall(entry))
 
         def source(name):
@@ -117,9 +117,9 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
             return params.get(name)
 
         moved = {}
-        for lay, src in _COPY_OF.findall(entry):
-            p = source(src)
-            if p is not None and lay.split("S(")[0] != p[1].split("S(")[0]:
+        for dt, lay, src in _COPY_OF.findall(entry):
+            p = source(src)  # a relayout of a parameter (TPU's "copy" may also convert it)
+            if p is not None and dt == p[1] and lay.split("S(")[0] != p[2].split("S(")[0]:
                 moved[p[0]] = _layout(lay)
         if not moved:
             return args
