@@ -260,7 +260,6 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
     K/V write were a dynamic-update-slice: `kv_cache.write_slots`). The exit checks score
     their candidates from the subset's rows: even in the default layouts, no step copies
     the embedding for them."""
-    from bench.roofline import _place as bench_place
     from bench.roofline import compile_for
     from ee_jax.serving import layouts
 
@@ -273,8 +272,9 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
     assert ("bf16", (V, D)) not in _big_copies(compile_for(fn, args, target, donate=(2,)))
     fn, args = _narrow_step(8, exits=True)
     assert _big_copies(compile_for(fn, args, target, donate=(2,), auto=(0, 1, 2))) == []
-    fp, fh, fc = layouts.pick(fn, bench_place(args, target), (0, 1, 2), donate_argnums=(2,),
-                              returned={1: 2})
+    dev = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
+    on_dev = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), args)
+    fp, fh, fc = layouts.pick(fn, on_dev, (0, 1, 2), donate_argnums=(2,), returned={1: 2})
     out = (jax.tree.leaves(fc)[0].sharding, fc)  # the donated cache comes back in its format
 
     def compile_at(fn):
