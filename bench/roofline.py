@@ -11,6 +11,12 @@ pick); an exit check (first and later); one layer's back-fill (`llama.kv_project
 `ee_jax.serving.roofline` composes them into a step, weighted by an exit histogram, and
 predicts max(flops / peak, bytes / bandwidth) with published peaks.
 
+On TPU every piece runs with the weights and the KV pool in the entry layouts the compiled
+full-depth step at the largest batch picks (`step_formats`: Layout.AUTO, settled), the exit
+heads in those the checks pick: the layouts an engine allocating its arrays so would hold,
+one per array for every batch (XLA's default layouts copied whole tables and the pool per
+step: `ee_jax.serving.layouts`).
+
 Cross-checks printed beside the tables: each shape's composed bytes against the analytic
 count (weights once + the K/V the rows read + this token's K/V), with a verdict and the
 relayout copies the compiler planned (real traffic the hand count leaves out); XLA's bytes
@@ -27,7 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import re
+import functools
 import sys
 import time
 from pathlib import Path
@@ -49,7 +55,7 @@ from bench.common import (
     time_steps,
 )
 from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.serving import aot, attention_kernels
+from ee_jax.serving import aot, attention_kernels, layouts
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KVCache, cache_shape, write_layer
 from ee_jax.serving.paged_model import paged_layer
@@ -81,9 +87,12 @@ def scaled_histogram(hist: dict[int, int], n_layers: int) -> dict[int, float]:
 
 
 def _place(tree, target: aot.Target):
+    """Abstract leaves on the target's first device (a leaf that has a sharding, and with it
+    maybe a layout: `layouts.place`, keeps it)."""
     devices = aot.target_devices(target)
     s = jax.sharding.SingleDeviceSharding(devices[0]) if devices else None
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
+    return jax.tree.map(lambda a: a if getattr(a, "sharding", None) is not None else
+                        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
 
 
 # XLA's TPU cost analysis counts every memory level: with memory-space assignment (MSA) on,
@@ -94,37 +103,46 @@ def _place(tree, target: aot.Target):
 TPU_COUNT_OPTIONS = {"xla_msa_enable": False}
 
 
-def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = ()) -> Cost:
+def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
+         auto: tuple[int, ...] = (), out=None) -> Cost:
     """XLA's flops and bytes of fn(*args): compiled for TPU (HBM bytes: MSA off) or CPU,
     lowered for CUDA (the HLO before optimisation: unfused)."""
-    return cost_and_copies(fn, args, target, donate)[0]
+    return cost_and_copies(fn, args, target, donate, auto, out)[0]
 
 
 _HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
-
-
 def copy_bytes(hlo_text: str) -> float:
     """Bytes the top-level `copy` instructions of a compiled module move (read + write of
-    each's logical shape): the relayouts the compiler planned (e.g. a weight transposed to
-    suit the matmul it feeds), real traffic a hand count of weights and K/V leaves out."""
-    entry = hlo_text[hlo_text.find("\nENTRY"):]
-    total = 0.0
-    for dt, dims in _COPY.findall(entry):
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += 2 * n * _HLO_BYTES[dt]
-    return total
+    each's logical shape, `layouts.copies`): the relayouts the compiler planned (e.g. a
+    weight transposed to suit the matmul it feeds), real traffic a hand count of weights and
+    K/V leaves out."""
+    return sum(2 * float(np.prod(shape)) * _HLO_BYTES[dt]
+               for dt, shape in layouts.copies(hlo_text))
 
 
-def cost_and_copies(fn, args, target: aot.Target, donate: tuple[int, ...] = ()
-                    ) -> tuple[Cost, float]:
+def compile_for(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
+                auto: tuple[int, ...] = (), out=None):
+    """fn(*args) compiled for `target` (TPU: counted with MSA off); on TPU the args at `auto`
+    in the entry layouts XLA picks, the others as placed, the outputs in `out` (formats: a
+    donated cache must come back in its own) (`layouts.lower`)."""
+    opts = TPU_COUNT_OPTIONS if target.platform == "tpu" else {}
+    with attention_kernels.target_platform(target.platform):
+        placed = _place(args, target)
+        if target.platform == "tpu":
+            lowered = layouts.lower(fn, placed, auto, donate_argnums=donate, out_shardings=out)
+        else:
+            lowered = jax.jit(fn, donate_argnums=donate).lower(*placed)
+        return lowered.compile(compiler_options=opts)
+
+
+def cost_and_copies(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
+                    auto: tuple[int, ...] = (), out=None) -> tuple[Cost, float]:
     """(XLA's counts, the bytes of its relayout copies; 0 where only lowered)."""
     jitted = jax.jit(fn, donate_argnums=donate)
     with attention_kernels.target_platform(target.platform):
         if target.compiles:
-            opts = TPU_COUNT_OPTIONS if target.platform == "tpu" else {}
-            compiled = jitted.lower(*_place(args, target)).compile(compiler_options=opts)
+            compiled = compile_for(fn, args, target, donate, auto, out)
             flops, nbytes = aot.cost_of(compiled)
             return Cost(flops, nbytes), copy_bytes(compiled.as_text())
         ca = jitted.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
@@ -209,8 +227,57 @@ class Measured:
     copies: dict[str, float]  # piece -> bytes of its relayout copies (compiled only)
 
 
+def full_step_fn(cfg):
+    """The compiled full-depth step as the bench builds it: the greedy tokens and the cache
+    (donated: argument 1), attention "reference" over the pool."""
+    return lambda p, c, t, m, th: _argmax_and_cache(
+        model_step(p, None, c, t, m, th, cfg, FullDepth(), "reference"))
+
+
+def step_args(cfg, B: int, W: int, kv_dtype=None) -> tuple:
+    """Abstract arguments of `full_step_fn` at batch B over W pages a row (a pool of
+    B * W + 1 pages)."""
+    kdt = jnp.dtype(kv_dtype or cfg.jnp_dtype)
+    cache = KVCache(*(sds(cache_shape(cfg, B * W + 1, PAGE), kdt) for _ in range(2)))
+    return (aot.abstract_params(cfg), cache, sds((B, 1), jnp.int32), meta_for(B, W),
+            sds((B,), jnp.float32))
+
+
+@functools.cache
+def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
+    """(params formats, cache formats): the entry layouts the compiled full-depth step at
+    batch B picks (`layouts.pick`), what an engine allocating its weights and pool so
+    would hold; from the one-layer step (the same ranks) where the whole step does not
+    compile (does not fit one chip). None off TPU (CPU and CUDA: no layouts here)."""
+    if target.platform != "tpu":
+        return None
+
+    def picked(c):
+        opts = TPU_COUNT_OPTIONS
+        with attention_kernels.target_platform(target.platform):
+            return layouts.pick(full_step_fn(c), _place(step_args(c, B, W, kv_dtype), target),
+                                (0, 1), donate_argnums=(1,), returned={1: 1},
+                                compile=lambda lo: lo.compile(compiler_options=opts))
+
+    try:
+        return picked(cfg)
+    except Exception:  # e.g. RESOURCE_EXHAUSTED: the layer's layouts are the step's
+        fp, fc = picked(dataclasses.replace(cfg, n_layers=1))
+        layered = {"layers": jax.tree.map(layouts.layer_axis_major, fp["layers"])}
+        return dict(fp, **layered), jax.tree.map(layouts.layer_axis_major, fc)
+
+
+def _out(fmts, n: int):
+    """Output formats of a program returning (n leading outputs, the cache): the cache in
+    its entry format (donated: it comes back where it went in); None off TPU."""
+    if fmts is None:
+        return None
+    dev = jax.tree.leaves(fmts[1])[0].sharding
+    return (*(dev,) * n, fmts[1])
+
+
 def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
-           step: bool = True) -> Measured:
+           step: bool = True, pin: int | None = None) -> Measured:
     """The pieces of a decode step at batch B over W pages a row (ec None: no checks;
     step False: the compiled full-depth step is not built).
 
@@ -218,19 +285,41 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     rows' K/V given as an input of the read size [B, W*16, K, hd], plus this token's K/V
     write counted by hand: XLA counts an in-place scatter into the pool as (a multiple of) the
     pool (`write_count_example`), and a page gather as its relayout copies, so both are
-    replaced, never added to."""
+    replaced, never added to.
+
+    On TPU the weights and the pool are in the entry layouts the compiled full-depth step at
+    batch `pin` (default B) picks (`step_formats`: an engine holds one layout per array, so
+    pin the largest bucket for every batch), every piece compiled against them (a layer's
+    weights: the stacked ones' layout without the layer axis), and the exit heads in the
+    layouts a first and a later check together pick."""
     dt = cfg.jnp_dtype
     it = dt.itemsize
     kdt = jnp.dtype(kv_dtype or dt)
-    P = B * W + 1
     T = W * PAGE
     cfg1 = dataclasses.replace(cfg, n_layers=1)
-    p1 = aot.abstract_params(cfg1)
-    lp = jax.eval_shape(lambda p: llama.layer_params(p, 0), p1)
     meta = meta_for(B, W)
     x = sds((B, 1, cfg.d_model), dt)
     pos = sds((B, 1), jnp.int32)
     kv = sds((B, T, cfg.n_kv_heads, cfg.head_dim), kdt)
+    fmts = step_formats(cfg, pin or B, W, target, kv_dtype)
+    params, cache, *rest = step_args(cfg, B, W, kv_dtype)
+    # one layer's weights: the stacked ones' layouts without the layer axis; the pool
+    # layer's (n_layers=1) params and cache: the stacked ones' layouts as they are
+    lp = jax.eval_shape(lambda p: llama.layer_params(p, 0), params)
+    p1, c1 = step_args(cfg1, B, W, kv_dtype)[:2]
+    if fmts is not None:
+        fp, fc = fmts
+        params, cache, p1, c1 = (layouts.place(params, fp), layouts.place(cache, fc),
+                                 layouts.place(p1, fp), layouts.place(c1, fc))
+        lp = layouts.place(lp, jax.tree.map(layouts.unstacked, fp["layers"]))
+    compiled: Cost | str = Cost(0.0, 0.0)
+    step_copies = 0.0
+    if step:  # as the step runs: the cache donated, attention "reference" over the pool
+        try:
+            compiled, step_copies = cost_and_copies(full_step_fn(cfg), (params, cache, *rest),
+                                                    target, donate=(1,), out=_out(fmts, 1))
+        except Exception as e:  # e.g. the whole step does not fit one chip: the pieces do
+            compiled = " ".join(str(e).split())[:120]
 
     def layer_fn(lp, x, pos, k, v, m):
         return llama.decoder_layer(lp, x, pos, cfg1,
@@ -239,12 +328,11 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     hl = hand_layer(cfg, B, W, kdt.itemsize)
     layer_xla, layer_copies = cost_and_copies(layer_fn, (lp, x, pos, kv, kv, meta), target)
     layer = layer_xla + Cost(0.0, hl.kv_write)
-    params = aot.abstract_params(cfg)
 
     # The fixed part: the head on the last hidden state (XLA's count), and the embedding
     # lookup of B tokens counted by hand (B rows) plus the relayout copies its compile holds:
     # XLA's CPU cost analysis counts a B >= 2 row gather by the whole table (SmolLM2 f32,
-    # batch 8: 113 MB for 18 kB), while on TPU the copy of the table before the gather is real.
+    # batch 8: 113 MB for 18 kB), while on TPU a copy of the table before the gather is real.
     head = cost(lambda p, x: jnp.argmax(llama.final_head(p, x, cfg), axis=-1),
                 (params, sds((B, cfg.d_model), dt)), target)
     tokens = sds((B, 1), jnp.int32)
@@ -256,8 +344,8 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     first = later = Cost(0.0, 0.0)
     first_copies = later_copies = 0.0
     if ec is not None:
-        heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg), params,
-                               exit_heads.head_shapes(cfg, ec))
+        heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg),
+                               aot.abstract_params(cfg), exit_heads.head_shapes(cfg, ec))
         h = sds((B, cfg.d_model), dt)
         state = jax.eval_shape(lambda x: exit_checks.init_check_state(x, ec), h)
 
@@ -265,25 +353,24 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
             return lambda p, hd, x, s: exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec,
                                                                     first=first)[0]
 
+        def both(p, hd, x, s):  # as a step runs them: the heads' one layout serves both
+            _, _, s = exit_checks.check_confidence(p, hd, 0, x, s, cfg, ec, first=True)
+            return (exit_checks.check_confidence(p, hd, 1, x, s, cfg, ec, first=False)[0],)
+
+        if target.platform == "tpu":
+            opts = TPU_COUNT_OPTIONS
+            with attention_kernels.target_platform(target.platform):
+                fh, = layouts.pick(both, _place((params, heads, h, state), target), (1,),
+                                   compile=lambda lo: lo.compile(compiler_options=opts))
+            heads = layouts.place(heads, fh)
         first, first_copies = cost_and_copies(check_fn(True), (params, heads, h, state),
                                               target)
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
                                               target)
-    compiled: Cost | str = Cost(0.0, 0.0)
     pool_layer = Cost(0.0, 0.0)
-    if step:  # as the step runs: the cache donated, attention "reference" over the pool
-        cache = KVCache(*(sds(cache_shape(cfg, P, PAGE), kdt) for _ in range(2)))
-        try:
-            compiled = cost(
-                lambda p, c, t, m, th: _argmax_and_cache(
-                    model_step(p, None, c, t, m, th, cfg, FullDepth(), "reference")),
-                (params, cache, sds((B, 1), jnp.int32), meta, sds((B,), jnp.float32)),
-                target, donate=(1,))
-        except Exception as e:  # e.g. the whole step does not fit one chip: the pieces do
-            compiled = " ".join(str(e).split())[:120]
-        c1 = KVCache(*(sds(cache_shape(cfg1, P, PAGE), kdt) for _ in range(2)))
+    if step:  # the step's own layer: attention "reference" over the pool, the cache donated
         pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
-                          (p1, x, c1, meta), target, donate=(2,))
+                          (p1, x, c1, meta), target, donate=(2,), out=_out(fmts, 1))
     parts = {"layer (K/V as input)": (layer_xla, hl.total - hl.kv_write),
              POOL: (pool_layer, hl.total),
              "fixed": (fixed, hand_fixed(cfg, B).total),
@@ -292,7 +379,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                    + cfg.d_model * it * (1 + B)
                                    + 2 * B * cfg.n_kv_heads * cfg.head_dim * it)}
     copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
-              "later check": later_copies}
+              "later check": later_copies, "step": step_copies}
     return Measured(Pieces(fixed, layer, later, fill), first, compiled, parts, copies)
 
 
@@ -450,7 +537,7 @@ def main(argv=None) -> int:
             for B in args.batches:
                 t0 = time.perf_counter()
                 try:
-                    m = pieces(cfg, ec, B, W, target)
+                    m = pieces(cfg, ec, B, W, target, pin=max(args.batches))
                 except Exception as e:  # e.g. the model does not fit one chip's HBM
                     msg = " ".join(str(e).split())[:160]
                     log(f"{model} {target.name} B={B}: FAILED {msg}")
@@ -462,11 +549,13 @@ def main(argv=None) -> int:
                 copies = m.copies["fixed"] + L * m.copies["layer"]
                 an = analytic_step(cfg, B, W)
                 verdict = "within 10 %" if abs(comp.bytes / an - 1) <= 0.10 else "NOT within 10 %"
+                sc = m.copies["step"]
+                step_copies = f" (copies {sc / 1e6:.1f})" if sc >= 5e4 else ""
                 checks_lines.append(
                     f"| {model} | {target.name} | {B} | {comp.bytes / 1e6:.1f} | "
                     f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
                     f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
-                    f"{_mb(m.step)} | "
+                    f"{_mb(m.step)}{step_copies} | "
                     f"{(m.pieces.fixed + m.parts[POOL][0]).bytes / 1e6:.1f} |")
                 for name, (c, hand) in m.parts.items():
                     cp = m.copies.get(name.split(" (")[0], 0.0)

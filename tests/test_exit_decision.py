@@ -150,6 +150,30 @@ def test_block_top_k_is_lax_top_k(shape, k, levels, seed):
     assert got_i.dtype == jnp.int32
 
 
+def test_later_checks_score_from_the_subset_rows_bit_for_bit():
+    """A later check scores its candidates from the subset's rows at their positions
+    (`CheckState.cand_pos`; on TPU a gather from the whole head copies the head first): the
+    positions are where the candidate ids sit in the subset, and the logits are bit for bit
+    those of the LM head's own rows at the ids (heads without the rows gather from the head),
+    after the f32 and the int8 first check alike."""
+    for cfg, params in ((CFG, PARAMS), (TIED_CFG, TIED_PARAMS)):
+        ec, heads = subset_heads(cfg, params)
+        h = jax.random.normal(jax.random.PRNGKey(7), (3, cfg.d_model))
+        st0 = exit_checks.init_check_state(h, ec)
+        for dtype in (None, "int8"):
+            rows = exit_heads.with_vocab_rows(params, heads, cfg, candidate_dtype=dtype)
+            _, st1 = exit_checks.candidate_features(params, rows, 0, h, st0, cfg, ec)
+            np.testing.assert_array_equal(SUBSET[np.asarray(st1.cand_pos)],
+                                          np.asarray(st1.cand))
+            no_rows = {k: v for k, v in rows.items() if k != "vocab_rows"}
+            got, want = (exit_checks.candidate_features(params, hv, 1, 2 * h, st1, cfg, ec,
+                                                        first=False)[1]
+                         for hv in (rows, no_rows))
+            np.testing.assert_array_equal(np.asarray(got.cand_logit),
+                                          np.asarray(want.cand_logit))
+            np.testing.assert_array_equal(np.asarray(got.cand_pos), np.asarray(st1.cand_pos))
+
+
 def test_vocab_rows_gathered_once_change_nothing():
     """Heads holding the subset's LM-head rows (`with_vocab_rows`, f32 search) score, decide
     and pass `check_heads` exactly as heads that gather them per call. (The int8 candidate

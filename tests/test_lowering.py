@@ -17,6 +17,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ee_jax.models.exit_config import ExitConfig
@@ -206,6 +207,85 @@ def test_cpu_path_imports_nothing_tpu_or_cuda_specific():
         "llm.generate(['hi'], SamplingParams(max_tokens=2))\n")
     assert sorted(ours - jax_own) == []
     assert "TPU_WORKER_HOSTNAMES" not in stderr and "host bounds" not in stderr, stderr
+
+
+# D = 96 is not a multiple of 128: TPU's default layout of the [256, 96] embedding (and of
+# the subset's [128, 96] rows) is column-major, as for SmolLM2's [49152, 576]; head_dim 64
+# pads, as SmolLM2's does.
+NARROW = random_config(vocab_size=256, d_model=96, n_heads=3, n_kv_heads=1, head_dim=64,
+                       ffn_dim=256, n_layers=2, tie_embeddings=True, dtype="bfloat16")
+NARROW_EC = ExitConfig(exit_layers=(1,), measure="candidates", vocab_subset=128,
+                       candidates=4, threshold=0.9, policy="all")
+
+
+def _narrow_step(B: int, exits: bool):
+    """(step fn, abstract args) of NARROW's decode step at batch B: full depth, or with the
+    exit checks (BatchExit), the cache donated (argument 2) and returned."""
+    from bench.roofline import meta_for, sds
+    from ee_jax.models import exit_heads
+    from ee_jax.serving.kv_cache import KVCache, cache_shape
+    from ee_jax.serving.step import BatchExit, FullDepth, model_step
+
+    cfg, ec = NARROW, NARROW_EC
+    params = aot.abstract_params(cfg)
+    cache = KVCache(*(sds(cache_shape(cfg, 8 * 4 + 1, 16), cfg.jnp_dtype) for _ in range(2)))
+    heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg), params,
+                           exit_heads.head_shapes(cfg, ec)) if exits else None
+    policy = BatchExit(ec) if exits else FullDepth()
+
+    def fn(p, h, c, tokens, meta, thresholds):
+        out, c = model_step(p, h, c, tokens, meta, thresholds, cfg, policy, "reference")
+        return out.logits.argmax(-1), c
+
+    return fn, (params, heads, cache, sds((B, 1), jnp.int32), meta_for(B, 4),
+                sds((B,), jnp.float32))
+
+
+def _big_copies(compiled) -> list:
+    """Copies of a whole weight, table or pool (>= 8,192 elements; NARROW's activations
+    are far smaller, its smallest table, the subset's rows, is 12,288)."""
+    from ee_jax.serving import layouts
+
+    return [c for c in layouts.copies(compiled.as_text()) if np.prod(c[1]) >= 8192]
+
+
+@needs_libtpu
+def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
+    """A relayout copy of a whole table is caught, and none is left: compiled for TPU v5e,
+    NARROW's batch-8 step copies its column-major embedding whole before gathering the
+    tokens' rows (XLA's default entry layouts); in the entry layouts the batch-8 exit step
+    picks (`layouts.pick`, Layout.AUTO: what an engine allocating its weights, heads and
+    pool so would hold), the full-depth and exit steps at batch 1, 2 and 8 hold no copy of
+    a weight, a table or the pool (batch 1 would copy the pool in and out if its one-token
+    K/V write were a dynamic-update-slice: `kv_cache.write_slots`). The exit checks score
+    their candidates from the subset's rows: even in the default layouts, no step copies
+    the embedding for them."""
+    from bench.roofline import compile_for
+    from ee_jax.serving import layouts
+
+    target = aot.parse_target("tpu:v5e")
+    V, D = NARROW.vocab_size, NARROW.d_model
+    fn, args = _narrow_step(8, exits=False)
+    default = _big_copies(compile_for(fn, args, target, donate=(2,)))
+    assert ("bf16", (V, D)) in default, default
+    fn, args = _narrow_step(1, exits=True)
+    assert ("bf16", (V, D)) not in _big_copies(compile_for(fn, args, target, donate=(2,)))
+    fn, args = _narrow_step(8, exits=True)
+    assert _big_copies(compile_for(fn, args, target, donate=(2,), auto=(0, 1, 2))) == []
+    dev = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
+    on_dev = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), args)
+    fp, fh, fc = layouts.pick(fn, on_dev, (0, 1, 2), donate_argnums=(2,), returned={1: 2})
+    out = (jax.tree.leaves(fc)[0].sharding, fc)  # the donated cache comes back in its format
+
+    def compile_at(fn):
+        return lambda a: compile_for(fn, a, target, donate=(2,), out=out)
+
+    p, h, c, *_ = args
+    p, h, c = layouts.place(p, fp), layouts.place(h, fh), layouts.place(c, fc)
+    for B, exits in ((1, False), (2, False), (1, True), (8, True)):
+        fn, (_, _, _, *rest) = _narrow_step(B, exits)
+        compiled = compile_at(fn)((p, h if exits else None, c, *rest))
+        assert _big_copies(compiled) == [], (B, exits, _big_copies(compiled))
 
 
 def test_roofline_composition():

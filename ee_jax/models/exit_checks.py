@@ -100,6 +100,7 @@ class CheckState:
 
     h_prev: jax.Array  # [..., D] hidden state at the previous exit check
     cand: jax.Array  # [..., k] int32 candidate token ids (measure "candidates")
+    cand_pos: jax.Array  # [..., k] int32 their positions in the subset (heads["vocab"]; 0 without)
     cand_logit: jax.Array  # [..., k] f32 their logits at the previous check
     p0: jax.Array  # [...] f32 the first check's top-1 probability over the head's vocabulary
 
@@ -108,24 +109,37 @@ def init_check_state(h0: jax.Array, ec: ExitConfig) -> CheckState:
     """The state before the first check; h0 [..., D] is the embedding (layer 0's input)."""
     lead = h0.shape[:-1]
     return CheckState(h_prev=h0, cand=jnp.zeros((*lead, ec.candidates), jnp.int32),
+                      cand_pos=jnp.zeros((*lead, ec.candidates), jnp.int32),
                       cand_logit=jnp.zeros((*lead, ec.candidates), jnp.float32),
                       p0=jnp.zeros(lead, jnp.float32))
 
 
-def _score_candidates(params: llama.Params, hn: jax.Array, cand: jax.Array, cfg: ModelConfig
-                      ) -> jax.Array:
-    """Exact logits of each row's own candidates: hn [..., D], cand [..., k] -> [..., k] f32
-    (the LM head's own rows at cand, gathered: k rows, not the subset)."""
-    w = (jnp.take(params["embed"], cand, axis=0) if cfg.tie_embeddings
-         else jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1))  # [..., k, D]
+def _score_candidates(params: llama.Params, heads, hn: jax.Array, cand: jax.Array,
+                      pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Exact logits of each row's own candidates: hn [..., D], cand [..., k] token ids, pos
+    [..., k] their positions in the subset -> [..., k] f32.
+
+    From the subset's rows (`with_vocab_rows`) at pos when the heads hold them: the same
+    values as the LM head's rows at cand, so the same logits, without touching the head. On
+    TPU a gather from the whole head is not k rows: XLA copies SmolLM2's [49152, 576]
+    embedding out of its column-major entry layout first (113 MB, every check), and
+    Llama-3.1-8B's [4096, 128256] head whole (2.1 GB). Without the rows, from the head."""
+    rows = heads.get("vocab_rows")
+    if rows is not None:
+        w = jnp.take(rows, pos, axis=0)  # [..., k, D]
+    elif cfg.tie_embeddings:
+        w = jnp.take(params["embed"], cand, axis=0)
+    else:
+        w = jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1)  # [..., k, D]
     return llama.cap_logits(jnp.einsum("...d,...kd->...k", hn, w,
                                        preferred_element_type=jnp.float32), cfg)
 
 
 def _int8_first_check(params: llama.Params, heads, hn: jax.Array, cfg: ModelConfig, k: int
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The first check from the int8 rows: (candidates [..., k] int32, their exact logits
-    [..., k] f32, p0 [...]), candidates in order of exact logit (ties to the search's order).
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The first check from the int8 rows: (candidates [..., k] int32, their positions in the
+    subset [..., k] int32, their exact logits [..., k] f32, p0 [...]), candidates in order of
+    exact logit (ties to the search's order).
 
     The k best ids of the approximate subset logits become the candidates, and their logits
     are recomputed from the f32 head rows (`_score_candidates`), so the top candidate is the
@@ -138,14 +152,15 @@ def _int8_first_check(params: llama.Params, heads, hn: jax.Array, cfg: ModelConf
     za = approx_subset_logits(heads, hn, cfg)  # [..., K]
     top_a, idx = top_k(za, k)
     cand = jnp.take(heads["vocab"], idx)
-    ze = _score_candidates(params, hn, cand, cfg)  # [..., k] exact
+    ze = _score_candidates(params, heads, hn, cand, idx, cfg)  # [..., k] exact
     top, j = jax.lax.top_k(ze, k)  # k entries: sorting them is cheap
     cand = jnp.take_along_axis(cand, j, axis=-1)
+    idx = jnp.take_along_axis(idx, j, axis=-1)
     m = jnp.maximum(top_a[..., :1], top[..., :1])  # [..., 1]
     rest = jnp.sum(jnp.exp(za - m), axis=-1) - jnp.sum(jnp.exp(top_a - m), axis=-1)
     total = jnp.maximum(rest, 0.0) + jnp.sum(jnp.exp(top - m), axis=-1)
     p0 = jnp.exp(top[..., 0] - m[..., 0]) / total
-    return cand.astype(jnp.int32), top, p0
+    return cand.astype(jnp.int32), idx.astype(jnp.int32), top, p0
 
 
 def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,
@@ -182,18 +197,20 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
         else:
             z = llama.unembed(params, hn, cfg)
             top, cand = top_k(z, k)
+            idx = jnp.zeros_like(cand)  # no subset: scored from the head by id
         p0 = jnp.exp(top[..., 0] - jax.nn.logsumexp(z, axis=-1))
-        return cand.astype(jnp.int32), top, p0
+        return cand.astype(jnp.int32), idx.astype(jnp.int32), top, p0
 
     def later():
-        return state.cand, _score_candidates(params, hn, state.cand, cfg), state.p0
+        return (state.cand, state.cand_pos,
+                _score_candidates(params, heads, hn, state.cand, state.cand_pos, cfg), state.p0)
 
     if first is None and isinstance(slot, int):
         first = slot == 0
     if first is None:
-        cand, z, p0 = jax.lax.cond(slot == 0, first_check, later)
+        cand, pos, z, p0 = jax.lax.cond(slot == 0, first_check, later)
     else:
-        cand, z, p0 = first_check() if first else later()
+        cand, pos, z, p0 = first_check() if first else later()
     pc = jax.nn.softmax(z, axis=-1)  # [..., k]
     top2 = jax.lax.top_k(pc, 2)[0]
     ent = -jnp.sum(pc * jnp.log(pc + 1e-20), axis=-1) / np.log(k)
@@ -205,7 +222,8 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
         top2[..., 0] - jnp.max(prev_pc, axis=-1), (top == prev_top).astype(jnp.float32),
         jnp.take_along_axis(pc, prev_top[..., None], axis=-1)[..., 0],
         saturation(h, state.h_prev), p0], axis=-1).astype(jnp.float32)
-    return feats, CheckState(h_prev=h, cand=cand, cand_logit=z, p0=p0.astype(jnp.float32))
+    return feats, CheckState(h_prev=h, cand=cand, cand_pos=pos, cand_logit=z,
+                             p0=p0.astype(jnp.float32))
 
 
 def decision_logit(heads, slot, feats: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ checked here on a GPU; `tests/test_families.py` checks the CPU steps' compiled H
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,19 @@ def write_slots(cache: KVCache, layers, pages: jax.Array, offsets: jax.Array,
     """Write K/V at the slots (layers, pages, offsets): index arrays (or a scalar layer) that
     broadcast to one shape [...]; k, v: [..., K, hd]. Only those slots are touched (a
     scatter, in place on a donated buffer; see the module docstring for 16-bit caches on
-    CPU). Every cache write (a layer's tokens, the early-exit back-fill) can go through here."""
+    CPU), and for a single slot also slot 0 of the null page, so that every write is a
+    scatter of two or more slots (see below). Every cache write (a layer's tokens, the
+    early-exit back-fill) can go through here."""
+    shape = jnp.broadcast_shapes(jnp.shape(layers), pages.shape, offsets.shape)
+    if math.prod(shape) == 1:  # one slot: and a second into the null page (nothing reads it)
+        # XLA turns a one-slot scatter into a dynamic-update-slice, which on TPU wants the
+        # pool in another layout than a scatter of two or more slots: a batch-1 step given
+        # the pool in the layout of the larger buckets copied it whole in and out.
+        layers = jnp.stack([jnp.reshape(layers, ()), jnp.reshape(layers, ())])
+        pages = jnp.stack([pages.reshape(()), jnp.asarray(NULL_PAGE, pages.dtype)])
+        offsets = jnp.stack([offsets.reshape(()), jnp.zeros((), offsets.dtype)])
+        k, v = (jnp.broadcast_to(a.reshape(1, *a.shape[-2:]), (2, *a.shape[-2:]))
+                for a in (k, v))
     index = (layers, pages, offsets)
     return KVCache(cache.k.at[index].set(k.astype(cache.k.dtype)),
                    cache.v.at[index].set(v.astype(cache.v.dtype)))
