@@ -7,8 +7,9 @@
     python -m bench.load engine --modes full --tree /tmp/ee-2fc5161 ...
     python -m bench.load http                             # SmolLM2, full depth vs early exit
     python -m bench.load http --random --requests 16 --rates 4 inf --max-tokens 8   # smoke
+    python -m bench.load start                            # server start: cold, then warm
 
-`python -m bench.load engine --help` (or `http --help`) lists the options.
+`python -m bench.load engine --help` (or `http --help`, `start --help`) lists the options.
 
 engine -- Serving under Poisson arrivals: a request-rate sweep through the step-wise engine.
 For each offered rate (requests/s), one arrival schedule (exponential gaps, seeded, cut at
@@ -87,6 +88,11 @@ Client and server share the machine: on a 2-core CPU the client's HTTP work take
 the engine, so the ratio there is pessimistic. "load avg" is the machine's 1-minute load
 average after each rate (other processes included): far above the core count means the
 figures are contended.
+
+start -- How long `ee-jax serve` (its defaults: every step shape precompiled) takes from launch
+to the first `/health` 200: once with empty caches (a fresh `EE_JAX_COMPILATION_CACHE`
+folder: every program compiled), then --restarts times with them warm (programs loaded from
+the program cache), with the server's own "N step programs ready ... X compiled, Y loaded".
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +121,7 @@ from tqdm.auto import tqdm
 
 from bench.common import (
     HFRunner,
+    cpu_model,
     exit_summary,
     fmt,
     hf_from_gguf,
@@ -819,12 +827,81 @@ def http_report(args, rows: list[dict], offline_rows: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- start
+
+
+def start_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.load start")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--restarts", type=int, default=3, help="warm starts after the cold one")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    cpu = cpu_model()
+    log(f"{cpu}, {os.cpu_count()} cores; model {args.model}")
+    with tempfile.TemporaryDirectory(prefix="ee-jax-start-") as cache:
+        env = {**os.environ, "EE_JAX_COMPILATION_CACHE": cache}
+        rows = []
+        for n in range(1 + args.restarts):
+            kind = "cold" if n == 0 else "warm"
+            port = free_port()
+            cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", args.model,
+                   "--port", str(port)]
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            lines: list[str] = []
+            reader = _drain(proc, lines)
+            try:
+                while True:
+                    if proc.poll() is not None:
+                        raise SystemExit(f"bench.load start: the server exited "
+                                         f"({proc.returncode}):\n" + "".join(lines[-10:]))
+                    try:
+                        if httpx.get(f"http://127.0.0.1:{port}/health",
+                                     timeout=2).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() - t0 > args.start_timeout:
+                        raise SystemExit("bench.load start: the server did not come up")
+                    time.sleep(0.1)
+                ready = time.monotonic() - t0
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                reader.join(5)
+            programs = next((ln.strip() for ln in lines if "step programs ready" in ln), "-")
+            rows.append((kind, ready, programs))
+            log(f"{kind}: ready in {ready:.1f} s ({programs})")
+    print(f"`ee-jax serve --model {args.model}`, launch to /health 200; {cpu}, "
+          f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at the end\n")
+    print("| start | ready s | the server's own count |\n|---|---:|---|")
+    for kind, ready, programs in rows:
+        print(f"| {kind} | {ready:.1f} | {programs.removeprefix('ee-jax: ')} |")
+    return 0
+
+
+def _drain(proc: subprocess.Popen, lines: list[str]):
+    """Read the server's output as it comes (a full pipe would stall it)."""
+    def run():
+        for line in proc.stdout:
+            lines.append(line.rsplit("\r", 1)[-1])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 # --------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"engine": engine_main, "http": http_main}
+    commands = {"engine": engine_main, "http": http_main, "start": start_main}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
