@@ -288,6 +288,42 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
         assert _big_copies(compiled) == [], (B, exits, _big_copies(compiled))
 
 
+@needs_libtpu
+def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
+    """The engine's own TPU runner (`aot.Plan.runner`, as `ee-jax compile` builds it; the
+    engine passes the same `layout_shape`) holds its weights, heads and pool in the layouts
+    its largest decode step picks: its decode steps at the smallest and largest batch, with
+    and without the checks, copy no weight, table or pool. The same runner in XLA's default
+    layouts copies the embedding whole at the largest batch (what the pick removes)."""
+    from ee_jax.models import exit_heads
+    from ee_jax.serving.kv_cache import KVCache, cache_shape
+    from ee_jax.serving.model_runner import ModelRunner
+
+    target = aot.parse_target("tpu:v5e")
+    config = EngineConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64,
+                          max_prefill_chunk=32, attention="xla")
+    plan = aot.Plan.make(NARROW, target, config, NARROW_EC, kinds=("decode",))
+    runner = plan.runner(NARROW_EC)
+    assert runner.program.config.cache_format is not None
+    decode = sorted(plan.shapes, key=lambda s: (s.batch, s.pages))
+
+    def big_copies(r, shape, exits):
+        with attention_kernels.target_platform("tpu"):
+            return _big_copies(r.lower(dataclasses.replace(shape, exits=exits)).compile())
+
+    for shape in (decode[0], decode[-1]):
+        for exits in (True, False):
+            assert big_copies(runner, shape, exits) == [], (shape, exits)
+    kv = jax.ShapeDtypeStruct(cache_shape(NARROW, plan.num_pages, plan.page_size),
+                              NARROW.jnp_dtype)
+    plain = ModelRunner(NARROW, aot.abstract_params(NARROW), KVCache(kv, kv), NARROW_EC,
+                        exit_heads.head_shapes(NARROW, NARROW_EC), attention="xla",
+                        max_batch=plan.max_batch, device=runner.devices[0], platform="tpu")
+    assert plain.program.config.cache_format is None
+    assert ("bf16", (NARROW.vocab_size, NARROW.d_model)) in \
+        big_copies(plain, decode[-1], False)
+
+
 def test_roofline_composition():
     """Hand-counted steps: propagate pays the layers run plus K/V projections of the rest;
     deferred pays every layer (the pending token runs the skipped ones next step)."""

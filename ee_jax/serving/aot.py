@@ -38,7 +38,7 @@ from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving import attention_kernels, compilation
 from ee_jax.serving.engine import EngineConfig, num_pages_for
 from ee_jax.serving.kv_cache import KVCache, bytes_per_page, cache_shape, storage_dtype
-from ee_jax.serving.model_runner import ModelRunner, StepShape
+from ee_jax.serving.model_runner import ModelRunner, StepShape, layout_shape
 from ee_jax.serving.sharding import MeshSpec, cache_sharding
 
 
@@ -340,7 +340,8 @@ class Plan:
         return ModelRunner(cfg, params, cache, ec, heads, attention=self.attention,
                            max_batch=self.max_batch, mesh=mesh,
                            device=devices[0] if devices else jax.devices("cpu")[0],
-                           platform=platform)
+                           platform=platform, layout_shape=layout_shape(self.shapes,
+                                                                        ec is not None))
 
     def __len__(self) -> int:
         return len(self.items())

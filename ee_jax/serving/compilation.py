@@ -141,10 +141,12 @@ def source_digest() -> str:
 
 def abstract_signature(tree: Any) -> str:
     """What a compiled program assumes of its arguments: their tree, and each leaf's shape,
-    dtype and placement."""
+    dtype and placement (its format where it has one: sharding and device layout, which a TPU
+    engine picks: `ee_jax.serving.layouts`)."""
     def leaf(x):
         aval = getattr(x, "aval", None) or jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return f"{aval!r}@{getattr(x, 'sharding', None)!r}"
+        where = getattr(x, "format", None) or getattr(x, "sharding", None)
+        return f"{aval!r}@{where!r}"
     return f"{jax.tree.structure(tree)}|{[leaf(x) for x in jax.tree.leaves(tree)]}"
 
 

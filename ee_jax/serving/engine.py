@@ -37,7 +37,7 @@ from ee_jax.serving.compilation import (
 from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
-from ee_jax.serving.model_runner import ModelRunner, StepBatch, unpack_results
+from ee_jax.serving.model_runner import ModelRunner, StepBatch, layout_shape, unpack_results
 from ee_jax.serving.params import (
     InvalidRequestError,
     RequestMetrics,
@@ -166,7 +166,9 @@ class LLMEngine:
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
                                                  sharding=cache_sharding),
                                   exit_config, exit_heads, attention=attention,
-                                  max_batch=max(config.batch_buckets), mesh=mesh)
+                                  max_batch=max(config.batch_buckets), mesh=mesh,
+                                  layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
+                                                            exit_config is not None))
         self.controller = None
         if exit_config is not None and exit_config.enabled:
             self.controller = ExitController(config.exit_control, exit_predictor(

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.exit_heads import check_heads, init_heads, with_vocab_rows
-from ee_jax.serving import distributed, sharding
+from ee_jax.serving import attention_kernels, distributed, layouts, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
@@ -200,6 +201,9 @@ class StepConfig:
     exit_config: ExitConfig | None
     attention: str
     mesh: Mesh | None
+    # TPU without a mesh: the pool's formats (a KVCache of them) the step returns the donated
+    # cache in, the ones it took it in (`ModelRunner(layout_shape=...)`); None: the default
+    cache_format: Any = None
 
 
 class StepProgram:
@@ -214,6 +218,9 @@ class StepProgram:
             rep = sharding.replicated(config.mesh)
             jit_kw["out_shardings"] = (sharding.cache_sharding(config.model, config.mesh),
                                        rep, rep, rep)
+        if config.cache_format is not None:
+            dev = config.cache_format.k.sharding
+            jit_kw["out_shardings"] = (config.cache_format, dev, dev, dev)
         self.jitted = jax.jit(self._impl, static_argnums=(0,), donate_argnums=(3,), **jit_kw)
 
     def _impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
@@ -267,6 +274,21 @@ def compaction_pays(platform: str) -> bool:
     return platform == "cpu"
 
 
+def layout_shape(shapes: Iterable[StepShape], exits: bool) -> StepShape | None:
+    """The step a TPU runner picks its weights', heads' and pool's layouts from: the largest
+    decode bucket (the program that moves the most; the smaller ones then take the same
+    arrays with no entry copy, tests/test_lowering.py)."""
+    decode = [s for s in shapes if s.kind == "decode"]
+    if not decode:
+        return None
+    big = max(decode, key=lambda s: (s.batch, s.pages))
+    return dataclasses.replace(big, exits=exits)
+
+
+# Entry layouts picked per (StepConfig, shape, arguments, device): `ModelRunner._formats`.
+_PICKED: dict[tuple, tuple[Any, Any, KVCache]] = {}
+
+
 @functools.cache
 def step_program(config: StepConfig) -> StepProgram:
     """The one step program of `config` in this process (why: a jitted function per runner
@@ -289,10 +311,14 @@ class ModelRunner:
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
                  mesh: Mesh | None = None, device: jax.Device | None = None,
-                 platform: str | None = None):
+                 platform: str | None = None, layout_shape: StepShape | None = None):
         """`device`: where a runner without a mesh runs (default: the first local device).
         `platform`: what the steps are built for (default: the devices'); it decides whether
         policy "per_row" compacts its rows (`compaction_pays`).
+        `layout_shape` (TPU, no mesh): the weights, heads and pool are placed in the device
+        layouts the step of that shape wants (`layouts.pick`; the engine gives its largest
+        decode bucket, `layout_shape()`): in XLA's default ones every SmolLM2 decode step
+        copied the 1 GiB pool in and out, and batch >= 2 the embedding (docs/roofline.md).
         Abstract params, heads and cache (`jax.ShapeDtypeStruct` leaves, as
         `ee_jax.serving.aot` builds them) make a runner that can only `lower` and `compile`,
         for a device this machine may not have: nothing is allocated."""
@@ -317,6 +343,7 @@ class ModelRunner:
                                         exit_heads) \
                 if abstract else with_vocab_rows(params, exit_heads, cfg)
         self.params, self.exit_heads = params, exit_heads
+        cache_format = None
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
             params = quant.dequantize_params(params, cfg.jnp_dtype) \
                 if quant.has_blocks(params) else params  # GGUF blocks: not sharded as such
@@ -329,8 +356,12 @@ class ModelRunner:
             # back committed after the first step (and an exit engine's heads may be), so
             # the second step of a shape compiled again, uncounted (exit engines' first run)
             device = device or jax.local_devices()[0]
+            where = SingleDeviceSharding(device)
+            if layout_shape is not None and platform == "tpu":
+                where = self._formats(layout_shape, where, exit_config, attention, max_batch)
             self.params, self.exit_heads, self.cache = _place(
-                (self.params, self.exit_heads, self.cache), SingleDeviceSharding(device))
+                (self.params, self.exit_heads, self.cache), where)
+            cache_format = where[2] if isinstance(where, tuple) else None
         # The shapes this runner has run or compiled, each with the traces that took (0: the
         # shared program had it already; more than 1 would be a recompile).
         self.traces: dict[StepShape, int] = {}
@@ -345,7 +376,8 @@ class ModelRunner:
         self.last_tokens, self.pending = _place(
             jax.eval_shape(state) if abstract else state(),
             SingleDeviceSharding(device) if mesh is None else sharding.replicated(mesh))
-        self.program = step_program(StepConfig(cfg, exit_config, attention, mesh))
+        self.program = step_program(StepConfig(cfg, exit_config, attention, mesh,
+                                               cache_format))
         self._step = self.program.jitted
         # The devices the steps run on, in the order the programs are compiled for.
         self.devices: list[jax.Device] = list(mesh.devices.flat) if mesh is not None else \
@@ -353,6 +385,33 @@ class ModelRunner:
         # Compiled programs this runner holds itself (`precompile` compiled or loaded them):
         # steps of these shapes call them directly, bypassing jit's trace/lowering caches.
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
+
+    def _formats(self, shape: StepShape, where: jax.sharding.Sharding,
+                 exit_config: ExitConfig | None, attention: str, max_batch: int
+                 ) -> tuple[Any, Any, KVCache]:
+        """(params, heads, cache) formats the step of `shape` takes with no entry copy
+        (`layouts.pick`: a few compiles of that step, once per configuration and process)."""
+        cfg = self.cfg
+
+        def sds(t):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                               sharding=where), t)
+
+        def state():
+            return jnp.zeros((max_batch,), jnp.int32), Pending.none(max_batch, cfg)
+
+        last, pend = jax.eval_shape(state)
+        args = (sds(self.params), sds(self.exit_heads), sds(self.cache),
+                jax.ShapeDtypeStruct((shape.size,), jnp.int32, sharding=where), sds(last),
+                sds(pend))
+        key = (StepConfig(cfg, exit_config, attention, None), shape,
+               abstract_signature(args), where)
+        if key not in _PICKED:
+            prog = StepProgram(key[0])
+            with attention_kernels.target_platform("tpu"):  # compiled for it from any host
+                _PICKED[key] = layouts.pick(functools.partial(prog._impl, shape), args,
+                                            (0, 1, 2), donate_argnums=(2,), returned={0: 2})
+        return _PICKED[key]
 
     def step(self, batch: StepBatch) -> Any:
         """Launch a step without waiting for it; returns the device result (read it with
