@@ -93,12 +93,25 @@ def _free_compiled_programs():
     gc.collect()
 
 
+# The files that take a minute or more (fresh clone, 2026-12-03), longest first: under
+# `--dist loadfile` the processes take files in collection order, so run these first and the
+# short ones fill in after (alphabetically, test_sharding / test_shipped_heads / test_smollm2
+# came last and one process waited on them alone).
+LONG_FILES = ("test_lowering.py", "test_smollm2.py", "test_multihost.py", "test_per_row.py",
+              "test_shipped_heads.py", "test_sharding.py", "test_program_cache.py",
+              "test_notebook.py", "test_paged_attention.py", "test_exit_decision.py",
+              "test_engine.py", "test_ragged_prefill.py", "test_early_exit.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that loads the real SmolLM2 is `real_model` (the one rule; `make test-fast`
-    deselects them), whether it says so itself or only through its fixtures."""
+    deselects them), whether it says so itself or only through its fixtures. Long files
+    first (`LONG_FILES`), each file's tests in their own order."""
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
 @pytest.fixture(scope="session")

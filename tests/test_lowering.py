@@ -250,18 +250,13 @@ def _big_copies(compiled) -> list:
 
 
 @needs_libtpu
-def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
-    """A relayout copy of a whole table is caught, and none is left: compiled for TPU v5e,
-    NARROW's batch-8 step copies its column-major embedding whole before gathering the
-    tokens' rows (XLA's default entry layouts); in the entry layouts the batch-8 exit step
-    picks (`layouts.pick`, Layout.AUTO: what an engine allocating its weights, heads and
-    pool so would hold), the full-depth and exit steps at batch 1, 2 and 8 hold no copy of
-    a weight, a table or the pool (batch 1 would copy the pool in and out if its one-token
-    K/V write were a dynamic-update-slice: `kv_cache.write_slots`). The exit checks score
-    their candidates from the subset's rows: even in the default layouts, no step copies
-    the embedding for them."""
+def test_tpu_default_layouts_copy_the_embedding_and_checks_do_not():
+    """A relayout copy of a whole table is caught: compiled for TPU v5e in XLA's default
+    entry layouts, NARROW's batch-8 step copies its column-major embedding whole before
+    gathering the tokens' rows (what the runner's picked layouts remove: the next test). The
+    exit checks score their candidates from the subset's rows: even in the default layouts,
+    no step copies the embedding for them."""
     from bench.roofline import compile_for
-    from ee_jax.serving import layouts
 
     target = aot.parse_target("tpu:v5e")
     V, D = NARROW.vocab_size, NARROW.d_model
@@ -270,31 +265,17 @@ def test_tpu_steps_copy_no_whole_table_or_pool_in_the_layouts_they_pick():
     assert ("bf16", (V, D)) in default, default
     fn, args = _narrow_step(1, exits=True)
     assert ("bf16", (V, D)) not in _big_copies(compile_for(fn, args, target, donate=(2,)))
-    fn, args = _narrow_step(8, exits=True)
-    assert _big_copies(compile_for(fn, args, target, donate=(2,), auto=(0, 1, 2))) == []
-    dev = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
-    on_dev = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), args)
-    fp, fh, fc = layouts.pick(fn, on_dev, (0, 1, 2), donate_argnums=(2,), returned={1: 2})
-    out = (jax.tree.leaves(fc)[0].sharding, fc)  # the donated cache comes back in its format
-
-    def compile_at(fn):
-        return lambda a: compile_for(fn, a, target, donate=(2,), out=out)
-
-    p, h, c, *_ = args
-    p, h, c = layouts.place(p, fp), layouts.place(h, fh), layouts.place(c, fc)
-    for B, exits in ((1, False), (2, False), (1, True), (8, True)):
-        fn, (_, _, _, *rest) = _narrow_step(B, exits)
-        compiled = compile_at(fn)((p, h if exits else None, c, *rest))
-        assert _big_copies(compiled) == [], (B, exits, _big_copies(compiled))
 
 
 @needs_libtpu
 def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
     """The engine's own TPU runner (`aot.Plan.runner`, as `ee-jax compile` builds it; the
     engine passes the same `layout_shape`) holds its weights, heads and pool in the layouts
-    its largest decode step picks: its decode steps at the smallest and largest batch, with
-    and without the checks, copy no weight, table or pool. The same runner in XLA's default
-    layouts copies the embedding whole at the largest batch (what the pick removes)."""
+    its largest decode step picks (`layouts.pick`: Layout.AUTO, then settled): its decode
+    steps at the smallest and largest batch, with and without the checks, copy no weight,
+    table or pool (batch 1 would copy the pool in and out if its one-token K/V write were a
+    dynamic-update-slice: `kv_cache.write_slots`). The same runner in XLA's default layouts
+    copies the embedding whole at the largest batch (what the pick removes)."""
     from ee_jax.models import exit_heads
     from ee_jax.serving.kv_cache import KVCache, cache_shape
     from ee_jax.serving.model_runner import ModelRunner
