@@ -228,9 +228,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
                    help="batch:policy (batch 8 uses 2 x 8 prompts)")
-    p.add_argument("--backfills", nargs="+", default=["deferred", "propagate", "learned"],
+    p.add_argument("--backfills", nargs="*", default=["deferred", "propagate", "learned"],
                    choices=["deferred", "propagate", "learned"],
-                   help="back-fills timed side by side (learned needs fitted maps)")
+                   help="back-fills timed side by side (learned needs fitted maps); none: "
+                   "only the engine as shipped (`default (auto)`) against full depth")
     p.add_argument("--threshold", type=float, default=None,
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",

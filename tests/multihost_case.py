@@ -7,5 +7,5 @@ from ee_jax.testing import tiny_model
 MODEL = tiny_model(seed=5, n_heads=8, n_kv_heads=2, head_dim=8, eos_token_ids=())
 PROMPTS = [np.random.default_rng(2).integers(3, 128, n).tolist() for n in (5, 19, 2, 11)]
 NEW = 6
-CONFIG = dict(max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40,
-              max_prefill_chunk=16, batch_buckets=(1, 2, 4))
+CONFIG = dict(max_num_seqs=4, max_model_len=32, page_size=4, num_pages=40,
+              max_prefill_chunk=16, batch_buckets=(4,))

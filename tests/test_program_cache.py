@@ -79,7 +79,7 @@ def test_a_restart_loads_every_program_and_serves_the_same_tokens(
 
 
 def test_a_program_of_another_build_or_config_is_never_loaded(tmp_path, monkeypatch):
-    _engine().precompile(progress=False, program_cache=str(tmp_path))
+    _engine().precompile(("decode",), progress=False, program_cache=str(tmp_path))
     n = len(list(tmp_path.glob("*.bin")))
     _restart()
     other_exits = _engine(exit_config=FORCED)  # another step configuration
@@ -88,7 +88,7 @@ def test_a_program_of_another_build_or_config_is_never_loaded(tmp_path, monkeypa
     _restart()
     monkeypatch.setattr(compilation, "source_digest", lambda: "another build of ee_jax")
     rebuilt = _engine()
-    assert rebuilt.precompile(progress=False, program_cache=str(tmp_path)) == n
+    assert rebuilt.precompile(("decode",), progress=False, program_cache=str(tmp_path)) == n
     assert rebuilt.stats.num_programs_loaded == 0 and rebuilt.stats.num_compiles == n
 
 

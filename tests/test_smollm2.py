@@ -84,11 +84,13 @@ def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf, llm):
 
 
 def test_engine_greedy_equals_dense_forward(smollm2, llm):
+    """Past EOS too (ignore_eos), batched with a prompt of another length, against the dense
+    forward (the engine against transformers: the test above)."""
     tok = smollm2.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS[:2]]
     outs = llm.generate(prompts, greedy(16, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == dense_greedy(smollm2.config, smollm2.params, ids, 16, width=128)
+        assert out.token_ids == dense_greedy(smollm2.config, smollm2.params, ids, 16, width=64)
 
 
 def test_stop_string_is_cut_from_the_text(llm):
