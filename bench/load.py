@@ -574,19 +574,11 @@ class Server:
             cmd += ["--exit-layers", "1,2,3", "--exit-threshold", "0"]
         log(f"starting: {' '.join(cmd[1:])}")
         self.proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + args.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"bench.load http: the server exited ({self.proc.returncode})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("bench.load http: the server did not come up in time")
-            time.sleep(0.5)
+        try:
+            wait_healthy(self.proc, self.url, args.start_timeout, "bench.load http")
+        except SystemExit:
+            self.stop()
+            raise
 
     def metrics(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -599,13 +591,35 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_server(self.proc)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, who: str) -> None:
+    """Return once the server at `url` answers /health with 200; SystemExit if it exits or
+    is not up within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{who}: the server exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{who}: the server did not come up in time")
+        time.sleep(0.1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (the server's graceful stop), then kill after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ----------------------------------------------------------------------------- clients
@@ -852,27 +866,14 @@ def start_main(argv: list[str] | None = None) -> int:
             lines: list[str] = []
             reader = _drain(proc, lines)
             try:
-                while True:
-                    if proc.poll() is not None:
-                        raise SystemExit(f"bench.load start: the server exited "
-                                         f"({proc.returncode}):\n" + "".join(lines[-10:]))
-                    try:
-                        if httpx.get(f"http://127.0.0.1:{port}/health",
-                                     timeout=2).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() - t0 > args.start_timeout:
-                        raise SystemExit("bench.load start: the server did not come up")
-                    time.sleep(0.1)
+                wait_healthy(proc, f"http://127.0.0.1:{port}", args.start_timeout,
+                             "bench.load start")
                 ready = time.monotonic() - t0
+            except SystemExit:
+                print("".join(lines[-10:]), file=sys.stderr)
+                raise
             finally:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_server(proc)
                 reader.join(5)
             programs = next((ln.strip() for ln in lines if "step programs ready" in ln), "-")
             rows.append((kind, ready, programs))
