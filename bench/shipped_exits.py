@@ -111,9 +111,10 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             backfills: tuple[str, ...], overhead: bool = False, default: bool = True) -> dict:
     """Full depth vs an exit engine per back-fill (the exit program always: controller mode
     "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
-    `default`, also the engine as a user gets it (the heads' back-fill, controller "auto":
-    full depth wherever checks do not pay); with `overhead`, the exit engine at threshold 1.0
-    (every check runs, no row leaves: what the checks and the exit loop cost)."""
+    `default`, also the engine as a user gets it (the heads' back-fill, controller "auto"
+    from the shipped calibration's prior: full depth wherever checks do not pay); with
+    `overhead`, the exit engine at threshold 1.0 (every check runs, no row leaves: what the
+    checks and the exit loop cost)."""
     from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.params import greedy
 
@@ -128,7 +129,9 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
                     for k, e in ecs.items()})
     if default:
         ecs["default (auto)"] = ec
-        engines["default (auto)"] = make_llm(model, ec, heads, batch, max_len)
+        engines["default (auto)"] = make_llm(  # as LLM() serves the shipped heads
+            model, ec, heads, batch, max_len,
+            exit_control=ControllerConfig(prior=model.shipped_exit_prior(ec) or None))
     if overhead:
         engines["checks only"] = make_llm(model, dataclasses.replace(ec, threshold=1.0), heads,
                                           batch, max_len, exit_control=forced)

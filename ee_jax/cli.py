@@ -59,7 +59,7 @@ def _generate(args) -> int:
     _join_processes(args)
     t0 = time.perf_counter()
     model = _load_model(args)
-    llm = LLM(model, **_engine_kwargs(args), **_exit_kwargs(args, model))
+    llm = LLM(model, **_llm_kwargs(args, model))
     llm.load_time = time.perf_counter() - t0
     if _follower(llm):
         return 0
@@ -158,6 +158,16 @@ def _engine_kwargs(args) -> dict:
                 exit_control=ControllerConfig(mode=getattr(args, "exit_control", "auto")))
 
 
+def _llm_kwargs(args, model) -> dict:
+    """LLM's keyword arguments from the flags: the engine's and the exits' (the exit
+    controller starts from the heads' calibration, `ControllerConfig.prior`)."""
+    kw = {**_engine_kwargs(args), **_exit_kwargs(args, model)}
+    prior = kw.pop("exit_prior", None)
+    if prior:
+        kw["exit_control"] = dataclasses.replace(kw["exit_control"], prior=prior)
+    return kw
+
+
 def _join_processes(args) -> None:
     """Several processes (--num-processes or EE_JAX_* variables): join the job first."""
     from ee_jax.serving import distributed
@@ -219,7 +229,7 @@ def _serve(args) -> int:
               f"reach this port can use the model", file=sys.stderr)
     _join_processes(args)
     model = _load_model(args)
-    llm = LLM(model, **_engine_kwargs(args), **_exit_kwargs(args, model))
+    llm = LLM(model, **_llm_kwargs(args, model))
     if _follower(llm):  # another process serves HTTP; this one runs its steps
         return 0
     _precompile(args, llm)
@@ -237,7 +247,7 @@ def _serve(args) -> int:
 def _exit_kwargs(args, model) -> dict:
     """ExitConfig and heads from the --exit-* flags. Default: the heads shipped for a registry
     model (SmolLM2); --exit-heads loads others; --exit-layers builds untrained norm heads."""
-    from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
 
     if not args.early_exit:
         return {"early_exit": False}
@@ -254,7 +264,10 @@ def _exit_kwargs(args, model) -> dict:
         trained = model.shipped_exit_heads()
     if trained is not None:
         ec, heads = trained  # (the runner gathers the subset's LM-head rows once)
-        return {"exit_config": dataclasses.replace(ec, **overrides), "exit_heads": heads}
+        ec = dataclasses.replace(ec, **overrides)
+        prior = (load_exit_prior(args.exit_heads, model.config, ec) if args.exit_heads
+                 else model.shipped_exit_prior(ec))
+        return {"exit_config": ec, "exit_heads": heads, "exit_prior": prior}
     if layers is None:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,

@@ -691,7 +691,7 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     save_exit_heads(tmp_path / "heads", cfg, ec, heads)
     args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
                                           "--exit-heads", str(tmp_path / "heads")])
-    kw = cli._exit_kwargs(args, model)
+    kw = cli._llm_kwargs(args, model)
     assert kw["exit_config"].policy == "per_row"
     runner = LLM(model, progress=False, **kw).engine.runner  # how the CLI builds its engine
     head = np.asarray(llama.unembed(model.params, jnp.eye(cfg.d_model), cfg)).T  # [V, D]

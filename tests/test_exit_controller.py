@@ -9,6 +9,7 @@ import pytest
 
 from ee_jax.models import llama
 from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_threshold import exit_prior
 from ee_jax.serving.controller import ControllerConfig, ControllerConfigError, ExitController
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
@@ -22,9 +23,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10]]
 NEW = 12
 
 
-def _engine(control: ControllerConfig):
-    # threshold 0: every row is confident at the first exit (layer 1)
-    ec = ExitConfig(exit_layers=(1, 2, 3), measure="max_prob", threshold=0.0,
+def _engine(control: ControllerConfig, threshold: float = 0.0):
+    # threshold 0: every row is confident at the first exit (layer 1); 1.0: none ever is
+    ec = ExitConfig(exit_layers=(1, 2, 3), measure="max_prob", threshold=threshold,
                     backfill="propagate")
     return LLMEngine(CFG, PARAMS, None, EngineConfig(
         max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(2,),
@@ -93,7 +94,43 @@ def test_a_change_of_load_moves_the_decision():
     assert c.use_exits(8) is False
 
 
+def test_a_prior_that_cannot_pay_starts_at_full_depth_and_never_compiles_the_exit_program():
+    # the calibration expects every row at full depth: no step can save a layer
+    engine = _engine(ControllerConfig(probe_steps=2, probe_every=1000, prior=((L, 1.0),)))
+    outs = run_requests(engine, PROMPTS, greedy(NEW))
+    assert _programs(engine) == (0, 1)  # the exit program never traced
+    assert all(set(o.exit_layers[1:]) == {L} for o in outs)
+    assert "batch 2: full depth (calibration predicts" in engine.controller.summary()
+
+
+def test_a_prior_that_pays_still_probes_and_then_decides_from_what_it_saw():
+    # the calibration promises exits at layer 1, but no row is ever confident: the probe
+    # runs the exit program, its rows decide, the bucket falls to full depth
+    engine = _engine(ControllerConfig(probe_steps=2, probe_every=1000, prior=((1, 1.0),)),
+                     threshold=1.0)
+    c = engine.controller
+    assert c.use_exits(2) and c.buckets[2].prior  # before any step: the prior's decision
+    run_requests(engine, PROMPTS, greedy(NEW))
+    assert _programs(engine) == (1, 1)
+    assert "batch 2: full depth (predicted" in c.summary()
+
+
+def test_the_prior_pools_a_calibration_tables_groups():
+    # two groups at threshold 0.9 (L = 30): 50 of 100 tokens leave, mean layers 25 (so the
+    # ones that left average (2500 - 50 * 30) / 50 = 20); none of 300 leave
+    table = dict(thresholds=[0.95, 0.9], errors=[0, 0], mean_layers=[30.0, 25.0])
+    cal = {"groups": {"a": dict(table, exited=[0, 50], n=100),
+                      "b": dict(table, exited=[0, 0], mean_layers=[30.0, 30.0], n=300)}}
+    assert exit_prior(cal, 0.9, 30) == ((20, 50 / 400), (30, 350 / 400))
+    assert exit_prior(cal, 0.95, 30) == ((30, 1.0),)
+    assert exit_prior(cal, 0.5, 30) == ()  # no row at that threshold: no prior
+    assert exit_prior(dict(table, exited=[0, 50], n=100), 0.9, 30) == ((20, 0.5), (30, 0.5))
+
+
 @pytest.mark.parametrize("kw, match", [
+    (dict(prior=((0, 1.0),)), "prior must be"),
+    (dict(prior=((3, 0.5),)), "prior must be"),
+    (dict(prior=[(3, 1.0)]), "prior must be"),
     (dict(mode="sometimes"), "mode 'sometimes'"),
     (dict(window=0), "window must be an integer >= 1"),
     (dict(probe_every=2.5), "probe_every must be an integer"),

@@ -21,7 +21,7 @@ from ee_jax.errors import ModelLoadError
 from ee_jax.models import backfill_maps, exit_heads
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig, ExitConfigError
-from ee_jax.models.exit_threshold import check_target, threshold_from_json
+from ee_jax.models.exit_threshold import check_target, exit_prior, threshold_from_json
 
 CONFIG = "exit_config.json"
 CALIBRATION = "calibration.json"
@@ -104,3 +104,14 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
     if "vocab" in heads:
         exit_heads.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
     return ec, jax.tree.map(lambda a: a, heads)
+
+
+def load_exit_prior(path, cfg: ModelConfig, ec: ExitConfig) -> tuple[tuple[int, float], ...]:
+    """The exit layers the heads in `path` are expected to give at `ec.threshold`, from their
+    calibration.json (`exit_threshold.exit_prior`; measured under the table's back-fill, a
+    first guess the exit controller corrects by observing); () without a table or a row at
+    that threshold."""
+    file = Path(path) / CALIBRATION
+    if not file.is_file():
+        return ()
+    return exit_prior(json.loads(file.read_text()), ec.threshold, cfg.n_layers)

@@ -180,3 +180,23 @@ def threshold_from_json(cal: dict, target_agreement: float) -> float:
                                       for k, v in cal["groups"].items()},
                                      target_agreement, delta)
     return pick_threshold(CalibrationTable.from_json(cal), target_agreement, delta)
+
+
+def exit_prior(cal: dict, threshold: float, n_layers: int) -> tuple[tuple[int, float], ...]:
+    """What a decode row's exit layer is expected to be at `threshold`, from a shipped
+    calibration.json pooled over its groups: ((mean layer of the tokens that left, their
+    share), (n_layers, the rest)), or () where the table has no row at `threshold`. The exit
+    controller decides from it before it has seen a step (`ControllerConfig.prior`)."""
+    tables = ([CalibrationTable.from_json(v) for v in cal["groups"].values()]
+              if cal.get("groups") else [CalibrationTable.from_json(cal)])
+    n = exited = layers = 0.0
+    for t in tables:
+        i = next((i for i, th in enumerate(t.thresholds) if abs(th - threshold) < 1e-9), None)
+        if i is None or not t.n:
+            return ()
+        n, exited, layers = n + t.n, exited + t.exited[i], layers + t.mean_layers[i] * t.n
+    if not exited:
+        return ((n_layers, 1.0),)
+    left = (layers - (n - exited) * n_layers) / exited  # mean layer of the tokens that left
+    share = exited / n
+    return ((min(n_layers - 1, max(1, round(left))), share), (n_layers, 1.0 - share))

@@ -11,7 +11,7 @@ from typing import Any
 
 from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
 from ee_jax.models.hf import Placer
 from ee_jax.models.tokenizer import Tokenizer
 
@@ -28,6 +28,12 @@ class LoadedModel:
         """(ExitConfig, heads) shipped for this model, or None (see registry)."""
         path = registry.shipped_exit_heads(self.name) if self.name else None
         return None if path is None else load_exit_heads(path, self.config)
+
+    def shipped_exit_prior(self, ec) -> tuple[tuple[int, float], ...]:
+        """The exit layers the shipped heads are expected to give under `ec`
+        (`exit_checkpoint.load_exit_prior`), () where none are shipped."""
+        path = registry.shipped_exit_heads(self.name) if self.name else None
+        return () if path is None else load_exit_prior(path, self.config, ec)
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,

@@ -6,10 +6,13 @@ A decision reads the exit program's recent decode rows in that bucket (their exi
 and the engine's cost model of one step (`predict(bucket, row_exit_counts)` -> the step's
 speed-up over full depth, e.g. `cost.step_speedup`): the exit program runs while the
 prediction clears 1 + margin. Without observations (the start, or a bucket never seen) the
-exit program runs `probe_steps` steps to get them; a bucket at full depth runs the exit
-program again for `probe_steps` steps every `probe_every` of its steps, so a change of load
-(exit rates, batch) moves the decision back. Everything here is host-side bookkeeping: the
-two programs are ordinary step shapes (`StepShape.exits`), compiled once each.
+exit program runs `probe_steps` steps to get them, unless a prior (the shipped calibration's
+exit rates, `ControllerConfig.prior`) already predicts that the checks cannot pay: then the
+bucket starts at full depth, and a short job never compiles the exit program. A bucket at
+full depth runs the exit program again for `probe_steps` steps every `probe_every` of its
+steps, so a change of load (exit rates, batch) moves the decision back. Everything here is
+host-side bookkeeping: the two programs are ordinary step shapes (`StepShape.exits`),
+compiled once each.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ class ControllerConfig:
     window: decode rows of the exit program a decision reads (the latest, per bucket).
     probe_steps: exit-program steps a bucket runs to (re)gather rows before deciding.
     probe_every: steps a bucket runs at full depth before it probes again.
-    margin: the predicted speed-up must exceed 1 + margin for the checks to run."""
+    margin: the predicted speed-up must exceed 1 + margin for the checks to run.
+    prior: ((exit layer, share of rows), ...), the exit layers a bucket's rows are expected
+    to take before any is seen (`exit_threshold.exit_prior` of the heads' calibration; the
+    engine's callers set it where they load heads): a bucket whose prior predicts no pay
+    starts at full depth instead of probing. None or (): probe first."""
 
     mode: Mode = "auto"
     window: int = 256
@@ -56,6 +63,7 @@ class ControllerConfig:
     # checks' dispatches), as a share of a full-depth step: calibrate it with
     # `python -m bench.shipped_exits --overhead` ("checks only / full" = 1 / (1 + this)).
     check_overhead: float = 0.05
+    prior: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -74,9 +82,21 @@ class ControllerConfig:
             raise ControllerConfigError(f"exit controller check_overhead must be in [0, 10) "
                                         f"(a share of a full-depth step), got "
                                         f"{self.check_overhead}")
+        if self.prior and not _is_histogram(self.prior):
+            raise ControllerConfigError(f"exit controller prior must be a tuple of (exit layer "
+                                        f">= 1, share in [0, 1]) pairs whose shares sum to 1, "
+                                        f"got {self.prior!r}")
         if not 0.0 <= self.margin < 1.0:
             raise ControllerConfigError(f"exit controller margin must be in [0, 1), got "
                                         f"{self.margin}")
+
+
+def _is_histogram(prior) -> bool:
+    """((exit layer >= 1, share in [0, 1]), ...) with shares summing to 1."""
+    return (isinstance(prior, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int)
+                    and p[0] >= 1 and 0.0 <= p[1] <= 1.0 for p in prior)
+            and abs(sum(p[1] for p in prior) - 1.0) < 1e-6)
 
 
 @dataclasses.dataclass
@@ -86,6 +106,7 @@ class _Bucket:
     probing: int = 0  # exit-program steps left in the current look
     since: int = 0  # steps at full depth since the last look / exit steps since a decision
     predicted: float = float("nan")  # the last decision's predicted speed-up
+    prior: bool = False  # the last decision was the prior's (no step observed)
     steps: dict = dataclasses.field(default_factory=lambda: {True: 0, False: 0})
 
 
@@ -100,8 +121,15 @@ class ExitController:
 
     def _bucket(self, batch: int) -> _Bucket:
         if batch not in self.buckets:
-            self.buckets[batch] = _Bucket(collections.deque(maxlen=self.config.window),
-                                          probing=self.config.probe_steps)
+            b = _Bucket(collections.deque(maxlen=self.config.window),
+                        probing=self.config.probe_steps)
+            if self.config.prior:  # rows the prior expects, as counts
+                counts = {layer: round(1000 * share) for layer, share in self.config.prior}
+                b.predicted = self.predict(batch, {k: v for k, v in counts.items() if v})
+                b.prior = True
+                if b.predicted <= 1.0 + self.config.margin:  # start at full depth
+                    b.exits, b.probing = False, 0
+            self.buckets[batch] = b
         return self.buckets[batch]
 
     def use_exits(self, batch: int) -> bool:
@@ -139,6 +167,7 @@ class ExitController:
         b.since = 0
         counts = dict(collections.Counter(b.rows))
         b.predicted = self.predict(batch, counts)
+        b.prior = False
         b.exits = b.predicted > 1.0 + self.config.margin
 
     def summary(self) -> str:
@@ -148,8 +177,9 @@ class ExitController:
         parts = []
         for batch, b in sorted(self.buckets.items()):
             why = ("no decision yet" if b.predicted != b.predicted else
-                   f"predicted {b.predicted:.2f}x {'>' if b.exits else '<='} "
-                   f"{1 + self.config.margin:.2f}x")
+                   f"{'calibration predicts' if b.prior else 'predicted'} "
+                   f"{b.predicted:.2f}x {'>' if b.predicted > 1 + self.config.margin else '<='}"
+                   f" {1 + self.config.margin:.2f}x")
             parts.append(f"batch {batch}: {'exits' if b.exits else 'full depth'} ({why}; "
                          f"steps exits {b.steps[True]}, full {b.steps[False]})")
         return "; ".join(parts) or "no decode step yet"

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving import sharding
+from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import (
     InvalidRequestError,
@@ -52,6 +53,10 @@ class LLM:
             if shipped is not None:  # served under the one serving policy (as the CLI)
                 exit_config, exit_heads = shipped
                 exit_config = dataclasses.replace(exit_config, policy=SERVING_POLICY)
+                control = engine_kwargs.get("exit_control", ControllerConfig())
+                if control.prior is None:  # the controller starts from the calibration
+                    engine_kwargs["exit_control"] = dataclasses.replace(
+                        control, prior=self.model.shipped_exit_prior(exit_config))
         self.load_time = time.perf_counter() - t0
         config = EngineConfig(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
