@@ -5,8 +5,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 MODEL  ?= smollm2-135m-instruct
 # Test processes (pytest-xdist; a test file stays in one process, so its module fixtures and
-# compiled programs are shared). Most of a test's time is one XLA compile on one core.
-TEST_WORKERS ?= 2
+# compiled programs are shared). Most of a test's time is one XLA compile on one core; a
+# third process on 2 cores fills the time the other two wait (subprocesses, servers, the
+# last long file): docs/testing.md.
+TEST_WORKERS ?= 3
 
 .PHONY: run test test-fast lint clean
 
@@ -18,8 +20,7 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-tpu-aot.txt
-	$(PIP) -r requirements-test.txt
-	$(PIP) -r requirements-tpu-aot.txt
+	$(PIP) -r requirements-test.txt -r requirements-tpu-aot.txt
 	touch $@
 
 # The main job: generate with the default model on a handful of prompts.

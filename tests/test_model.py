@@ -103,3 +103,19 @@ def test_check_params_reports_missing_extra_and_misshaped():
         llama.check_params(CFG, bad)
     msg = str(e.value)
     assert "wq" in msg and "extra" in msg and "final_norm" in msg
+
+
+@pytest.mark.parametrize("lead", [(1,), (8,), (2, 3), (100,)])
+def test_tied_head_equals_numpy_and_differentiates(lead):
+    """The tied LM head (the embedding, output-major) in every product `unembed` picks by
+    rows: logits and their gradient with respect to the hidden state equal numpy's."""
+    cfg, params = tiny_model(seed=6, tie_embeddings=True)
+    rng = np.random.default_rng(len(lead))
+    xn = rng.normal(size=(*lead, cfg.d_model)).astype(np.float32)
+    E = np.asarray(params["embed"], np.float64)  # [V, D]
+    got = np.asarray(jax.jit(llama.unembed, static_argnums=2)(params, jnp.asarray(xn), cfg))
+    np.testing.assert_allclose(got, xn @ E.T, rtol=1e-5, atol=1e-5)
+    c = rng.normal(size=(*lead, cfg.vocab_size)).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(llama.unembed(params, x, cfg) * c)))(
+        jnp.asarray(xn))
+    np.testing.assert_allclose(np.asarray(grad), c @ E, rtol=1e-4, atol=1e-4)

@@ -14,9 +14,7 @@ traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
 
 Weights are stored input-major (`x @ w`) and applied by `linear`, the one matmul rule: a
 layer weight may be a GGUF file's own blocks (`quant.BlockQ`, the default for a GGUF, exact),
-an int8 `quant.QArray` (per-output-channel scales, see `ee_jax.models.quant`), or, once
-`serving_layout` has prepared the params for serving, a `quant.OutMajor` (the same weight
-transposed: faster one-row decode on CPU). Norm weights
+or an int8 `quant.QArray` (per-output-channel scales, see `ee_jax.models.quant`). Norm weights
 are stored as the checkpoint holds them; `norm` applies the family's rule (Gemma's 1 + w)
 in one place, for the layers, the final head and the exit heads alike. Nothing here knows
 about caches or batching: attention is injected into `decoder_layer` as a function, so the
@@ -37,9 +35,7 @@ import numpy as np
 from ee_jax.errors import ModelLoadError
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.quant import (
-    QUANTIZED_KEYS,
     BlockQ,
-    OutMajor,
     QArray,
     is_packed,
     linear,
@@ -147,26 +143,6 @@ def cast_params(params: Params, dtype) -> Params:
 
 
 @jax.jit
-def _transposed(w: jax.Array) -> jax.Array:
-    return jnp.swapaxes(w, -1, -2)
-
-
-def serving_layout(params: Params, *, consume: bool = False) -> Params:
-    """The layer matmul weights (`quant.QUANTIZED_KEYS`) stored output-major
-    (`quant.OutMajor`, transposed once), the layout XLA's CPU backend decodes one row
-    fastest from (about 2x on the layer matmuls) and more rows no slower (`quant.linear`
-    picks the product). int8 weights, the embedding / LM head and norms stay as they are.
-
-    consume=True replaces the weights in `params["layers"]` in place, so each input-major
-    weight is freed once its transpose exists, if nothing else holds it (peak: one extra
-    weight, not the whole model); otherwise a new tree that shares everything else."""
-    layers = params["layers"] if consume else dict(params["layers"])
-    for key in QUANTIZED_KEYS:
-        if not is_packed(layers[key]):
-            layers[key] = OutMajor(_transposed(layers[key]))
-    return params if consume else dict(params, layers=layers)
-
-
 def layer_params(params: Params, i) -> LayerParams:
     """Layer `i` (a Python int or a traced scalar) of the stacked layers."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),

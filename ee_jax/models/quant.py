@@ -3,7 +3,6 @@
 - `BlockQ`: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are and dequantized inside
   the step, bit-exactly (what a GGUF model is served from by default: `load_model`).
 - `QArray`: weight-only int8 with per-output-channel scales (`quantize="int8"`).
-- `OutMajor`: the same f32 weight transposed (`llama.serving_layout`; not used by default).
 
 A quantized weight is a `QArray`: `q` int8 [..., in, out] and `scale` f32 [..., out], with
 w ~= q * scale (symmetric, scale = max |w| over the input axis / 127). It is a registered
@@ -67,8 +66,8 @@ def is_qarray(x: Any) -> bool:
 
 
 def is_packed(x: Any) -> bool:
-    """A weight stored other than as a plain array (int8, output-major or GGUF blocks)."""
-    return isinstance(x, QArray | OutMajor | BlockQ)
+    """A weight stored other than as a plain array (int8 or GGUF blocks)."""
+    return isinstance(x, QArray | BlockQ)
 
 
 def check_quantize(quantize: str | None) -> str | None:
@@ -79,33 +78,6 @@ def check_quantize(quantize: str | None) -> str | None:
         f"quantize={quantize!r} is not supported: ee-jax serves weight-only int8 "
         f"(per-output-channel scales). Pass quantize='int8' (CLI: --quantize int8), or leave "
         f"it unset to serve the weights in the model dtype.")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class OutMajor:
-    """A weight stored output-major for serving: t [..., out, in] is w transposed.
-
-    Why: XLA's CPU backend runs a one-row product x @ t.T as a matrix-vector loop over t's
-    contiguous rows, reading the stacked layer weight in place, about twice as fast as x @ w
-    on the input-major w (whose layer slice it copies first, then multiplies). Made by
-    `llama.serving_layout`; `linear` picks the product by the number of rows."""
-
-    t: jax.Array  # [..., out, in]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the weight it stands for, [..., in, out] (what `check_params` reads)."""
-        *lead, out, inp = self.t.shape
-        return (*lead, inp, out)
-
-    @property
-    def dtype(self):
-        return self.t.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.t.nbytes)
 
 
 @jax.tree_util.register_dataclass
@@ -157,20 +129,19 @@ def block_dequantize(w: BlockQ) -> jax.Array:
     return t.reshape(*lead, out, inp)
 
 
-# OutMajor products by row count (bench/decode_micro.py, SmolLM2's layer slices, 2-core CPU):
-# one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows reading the stacked
-# weight in place (about 2x x @ w on the input-major weight, whose layer slice XLA copies
-# first); up to _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left
-# operand; the barrier keeps XLA from turning it back into x @ t.T, 20-30% slower there), as
-# fast as x @ w within the noise (one matrix-vector loop per row was slower at 2 rows); above,
-# prompt-sized row counts (512+), x @ t.T again: equal to x @ w there, and the [out, rows]
-# result's transpose would cost more.
+# Output-major products (t [out, in], w = t.T: the tied embedding as the LM head, a GGUF
+# block weight dequantized) by row count (bench/decode_micro.py, SmolLM2's layer slices,
+# 2-core CPU): one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows; up to
+# _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left operand; the
+# barrier keeps XLA from turning it back into x @ t.T, 20-30% slower there); above,
+# prompt-sized row counts (512+), x @ t.T again: the [out, rows] result's transpose would
+# cost more.
 _OUT_MAJOR_NN_ROWS = 64
 
 
 def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) -> jax.Array:
-    """x [..., in] times w = t.T, for t [out, in] (an `OutMajor` weight, or the tied
-    embedding [V, D] as the LM head), in the product the row count runs best."""
+    """x [..., in] times w = t.T, for t [out, in] (the tied embedding [V, D] as the LM head,
+    a dequantized block weight), in the product the row count runs best."""
     rows = math.prod(x.shape[:-1])
     kw = dict(preferred_element_type=preferred_element_type)
     if rows == 1 or rows > _OUT_MAJOR_NN_ROWS:
@@ -180,12 +151,10 @@ def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) ->
     return y.T.reshape(*x.shape[:-1], t.shape[-2])
 
 
-def linear(x: jax.Array, w: jax.Array | QArray | OutMajor | BlockQ) -> jax.Array:
-    """x @ w for a plain, an output-major or an int8 weight. x: [..., in]; w: [in, out] ->
+def linear(x: jax.Array, w: jax.Array | QArray | BlockQ) -> jax.Array:
+    """x @ w for a plain, a GGUF-block or an int8 weight. x: [..., in]; w: [in, out] ->
     [..., out] in x's dtype. int8: the dot accumulates in f32 and the scale multiplies the
     result."""
-    if isinstance(w, OutMajor):
-        return out_major_matmul(x, w.t)
     if isinstance(w, BlockQ):
         return out_major_matmul(x, block_dequantize(w).astype(x.dtype))
     if isinstance(w, QArray):

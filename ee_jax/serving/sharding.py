@@ -142,14 +142,11 @@ def spec_for(axes: tuple[str | None, ...], ndim: int, rules: dict[str, str | Non
 
 def _leaf_axes(path) -> tuple[str | None, ...]:
     """Logical axes of a param leaf from its tree path (the innermost known name wins;
-    a quantized weight's `scale` has the weight's axes without the input axis; an
-    output-major weight's `t` (`quant.OutMajor`) has them in reverse)."""
+    a quantized weight's `scale` has the weight's axes without the input axis)."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     for i in range(len(names) - 1, -1, -1):
         if names[i] in PARAM_AXES:
             axes = PARAM_AXES[names[i]]
-            if names[-1] == "t":
-                return axes[::-1]
             return axes[1:] if names[-1] == "scale" and len(axes) > 1 else axes
     return ()
 
