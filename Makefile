@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 MODEL  ?= smollm2-135m-instruct
 # Test processes (pytest-xdist; a test file stays in one process, so its module fixtures and
 # compiled programs are shared). Most of a test's time is one XLA compile on one core; a
