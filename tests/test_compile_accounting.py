@@ -97,6 +97,30 @@ def test_a_mid_run_compile_is_left_out_of_decode_time_and_first_tokens(slow_comp
         assert m.warm_time_to_first_token < SLOW / 2
 
 
+def test_with_async_scheduling_a_compile_is_not_charged_to_the_step_in_flight(slow_compiles):
+    """The default engine launches a step before it reads the one in flight: a launch that
+    compiles (a new batch size or prompt shape mid-run) holds the host while that step has
+    long finished on the device, and none of that wait is the step's."""
+    cfg, params = tiny_model(seed=1, eos_token_ids=())
+    engine = LLMEngine(cfg, params, None, EngineConfig(  # (page size 8: shapes of its own,
+        max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,  # compiled here)
+        max_prefill_chunk=16, max_num_batched_tokens=64, batch_buckets=(1, 4),
+        async_scheduling=True))
+    engine.add_request("a", [5, 6, 7], greedy(16))
+    for _ in range(6):  # prefill, then decode at batch 1
+        engine.step()
+    for r in "bcd":  # mid-run, while a batch-1 decode step is in flight: new programs
+        engine.add_request(r, [8, 9, 10, 11], greedy(6))
+    n = len(slow_compiles)
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = engine.stats
+    assert len(slow_compiles) > n and s.num_decode_compiles >= 2
+    # each compile took more than SLOW; the tiny model's ~30 warm decode steps take far less
+    assert s.decode_time < SLOW / 2, (s.decode_time, s.num_decode_steps)
+    assert s.compile_time > SLOW * s.num_compiles
+
+
 def test_the_cli_summary_leaves_compiling_steps_out_and_says_how_many(slow_compiles, capsys):
     """`ee-jax generate` without precompiling: the first decode step compiles mid-run; the
     summary's ms/step is the warm steps' and it says how many steps it left out."""

@@ -60,6 +60,9 @@ class _Launched:
     compiles: bool
     out_idx: list[int]
     exits: bool = True  # a decode step: whether it ran the exit program
+    # seconds the host spent compiling the next step's program while this one was in flight
+    # (async scheduling): the device was idle then, so it is not this step's time
+    compile_gap: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +315,9 @@ class LLMEngine:
         if compiles:  # tracing and compiling are not host time of serving
             took = time.perf_counter() - t0
             self._waited += took
+            if self._inflight is not None:  # nor the time of the step in flight: the
+                self._inflight.compile_gap += took  # compile's own, counted here
+                self.stats.compile_time += took
             for seq in self._requests.values():  # it delayed every first token not out yet
                 if seq.metrics.first_token_time is None:
                     seq.metrics.compile_wait += took
@@ -340,7 +346,7 @@ class LLMEngine:
         self._waited += now - t_wait
         # Device time of this step as the host sees it: from its launch, or from the previous
         # step's results if those arrived later (steps queue on the device).
-        dt = now - max(launched.t0, self._last_ready)
+        dt = max(0.0, now - max(launched.t0, self._last_ready) - launched.compile_gap)
         self._last_ready = now
         self._account(launched.schedule, dt, launched.compiles, extra)
         if launched.schedule.kind == "decode" and self.controller is not None:
