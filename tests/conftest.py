@@ -99,7 +99,7 @@ def _free_compiled_programs():
 # came last and one process waited on them alone).
 LONG_FILES = ("test_lowering.py", "test_smollm2.py", "test_multihost.py", "test_per_row.py",
               "test_shipped_heads.py", "test_sharding.py", "test_program_cache.py",
-              "test_notebook.py", "test_paged_attention.py", "test_exit_decision.py",
+              "test_notebook.py", "test_families.py", "test_exit_decision.py",
               "test_engine.py", "test_ragged_prefill.py", "test_early_exit.py")
 
 

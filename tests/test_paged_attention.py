@@ -12,6 +12,11 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.testing import tiny_config
 
 CFG = tiny_config(n_layers=2)
+# One program per example's shapes (not one per op: eager ops each compile for new shapes).
+_write = jax.jit(write_kv, static_argnums=1)
+_paged = jax.jit(paged_attention, static_argnums=2)
+_dense = jax.jit(lambda q, k, v, q_pos, key_pos, valid: gqa_attention(
+    q, k, v, attention_weights_mask(q_pos, key_pos, valid)))
 
 
 @settings(max_examples=12, deadline=None)
@@ -38,21 +43,19 @@ def test_paged_equals_dense(page_size, lengths, q_len, layer, seed):
     v = rng.normal(size=(B, T, K, hd)).astype(np.float32)
     lens = np.asarray(lengths, np.int32)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    cache = write_kv(cache, layer, AttentionMetadata(jnp.asarray(positions), jnp.asarray(table),
-                                                     jnp.asarray(lens)), jnp.asarray(k),
-                     jnp.asarray(v))
+    cache = _write(cache, layer, AttentionMetadata(jnp.asarray(positions), jnp.asarray(table),
+                                                   jnp.asarray(lens)), jnp.asarray(k),
+                   jnp.asarray(v))
     # Queries: the last q_len real positions of each row (clipped at 0).
     q_pos = np.stack([np.maximum(n - q_len + np.arange(q_len), 0) for n in lengths]).astype(
         np.int32)
     q = rng.normal(size=(B, q_len, H, hd)).astype(np.float32)
     meta = AttentionMetadata(jnp.asarray(q_pos), jnp.asarray(table), jnp.asarray(lens))
-    got = np.asarray(paged_attention(jnp.asarray(q), cache, layer, meta))
+    got = np.asarray(_paged(jnp.asarray(q), cache, layer, meta))
 
     key_pos = np.arange(T)
     for b, n in enumerate(lengths):
-        mask = attention_weights_mask(jnp.asarray(q_pos[b]), jnp.asarray(key_pos),
-                                      jnp.asarray(key_pos < n))
-        want = gqa_attention(jnp.asarray(q[b]), jnp.asarray(k[b]), jnp.asarray(v[b]), mask)
+        want = _dense(q[b], k[b], v[b], q_pos[b], key_pos, key_pos < n)
         np.testing.assert_allclose(got[b], np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
