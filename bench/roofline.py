@@ -57,7 +57,13 @@ from bench.common import (
 from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels, layouts
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.kv_cache import KVCache, cache_shape, write_layer
+from ee_jax.serving.kv_cache import (
+    KVCache,
+    cache_shape,
+    pad_head_dim,
+    storage_head_dim,
+    write_layer,
+)
 from ee_jax.serving.paged_model import paged_layer
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
@@ -159,13 +165,15 @@ def meta_for(B: int, W: int) -> AttentionMetadata:
 
 
 def attend_rows(q, k, v, meta: AttentionMetadata, cfg):
-    """Attention of q [B, 1, H, hd] over the rows' own keys and values k, v [B, T, K, hd]
-    (what a paged kernel reads: the pages' contents, no pool)."""
+    """Attention of q [B, 1, H, hd] over the rows' own keys and values k, v [B, T, K, hd']
+    (what a paged kernel reads: the pages' contents, no pool), hd' the stored head_dim (q
+    padded with zeros to it, as `paged_model.attend` does over a padded TPU cache)."""
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
     mask = llama.attention_weights_mask(meta.positions, key_pos,
                                         key_pos[None, :] < meta.kv_lens[:, None])
-    return llama.gqa_attention(q, k, v, mask, scale=cfg.attn_scale,
-                               softcap=cfg.attn_logit_softcap)
+    out = llama.gqa_attention(pad_head_dim(q, k.shape[-1]), k, v, mask, scale=cfg.attn_scale,
+                              softcap=cfg.attn_logit_softcap)
+    return out[..., :q.shape[-1]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,12 +195,20 @@ def layer_weight_bytes(cfg) -> float:
     return (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * cfg.jnp_dtype.itemsize
 
 
-def hand_layer(cfg, B: int, W: int, kv_itemsize: int | None = None) -> Hand:
+def kv_head_dim(cfg, target: aot.Target) -> int:
+    """The head_dim the target's cache is stored at (`kv_cache.storage_head_dim`: 128 for
+    SmolLM2's 64 on TPU), what its K/V reads and writes move."""
+    return storage_head_dim(cfg.head_dim, target.platform)
+
+
+def hand_layer(cfg, B: int, W: int, kv_itemsize: int | None = None,
+               kv_hd: int | None = None) -> Hand:
     """One decode layer: its weights once, the K/V of B rows x W pages (whole pages, as every
-    backend reads them), this token's K/V written, x in and out."""
+    backend reads them; kv_hd: the stored head_dim, default the model's), this token's K/V
+    written, x in and out."""
     it = cfg.jnp_dtype.itemsize
     kit = kv_itemsize or it
-    kv = cfg.n_kv_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * (kv_hd or cfg.head_dim)
     return Hand(layer_weight_bytes(cfg), 2 * B * W * PAGE * kv * kit, 2 * B * kv * kit,
                 2 * B * cfg.d_model * it)
 
@@ -204,10 +220,12 @@ def hand_fixed(cfg, B: int) -> Hand:
     return Hand(head + cfg.d_model * it, 0.0, 0.0, B * cfg.d_model * it)
 
 
-def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None) -> float:
+def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None,
+                  kv_hd: int | None = None) -> float:
     """The bytes a full-depth decode step must move: every weight once, the rows' K/V read
-    and this token's K/V written (`roofline.analytic_bytes` plus the write)."""
-    layer = hand_layer(cfg, B, W, kv_itemsize)
+    and this token's K/V written, as stored (kv_hd; `roofline.analytic_bytes` plus the
+    write)."""
+    layer = hand_layer(cfg, B, W, kv_itemsize, kv_hd)
     return analytic_bytes(cfg.n_layers * layer.weights + hand_fixed(cfg, B).weights,
                           cfg.n_layers * (layer.kv_read + layer.kv_write))
 
@@ -234,11 +252,11 @@ def full_step_fn(cfg):
         model_step(p, None, c, t, m, th, cfg, FullDepth(), "reference"))
 
 
-def step_args(cfg, B: int, W: int, kv_dtype=None) -> tuple:
+def step_args(cfg, B: int, W: int, kv_dtype=None, platform: str = "cpu") -> tuple:
     """Abstract arguments of `full_step_fn` at batch B over W pages a row (a pool of
-    B * W + 1 pages)."""
+    B * W + 1 pages, stored as on `platform`)."""
     kdt = jnp.dtype(kv_dtype or cfg.jnp_dtype)
-    cache = KVCache(*(sds(cache_shape(cfg, B * W + 1, PAGE), kdt) for _ in range(2)))
+    cache = KVCache(*(sds(cache_shape(cfg, B * W + 1, PAGE, platform), kdt) for _ in range(2)))
     return (aot.abstract_params(cfg), cache, sds((B, 1), jnp.int32), meta_for(B, W),
             sds((B,), jnp.float32))
 
@@ -255,7 +273,8 @@ def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
     def picked(c):
         opts = TPU_COUNT_OPTIONS
         with attention_kernels.target_platform(target.platform):
-            return layouts.pick(full_step_fn(c), _place(step_args(c, B, W, kv_dtype), target),
+            args = step_args(c, B, W, kv_dtype, target.platform)
+            return layouts.pick(full_step_fn(c), _place(args, target),
                                 (0, 1), donate_argnums=(1,), returned={1: 1},
                                 compile=lambda lo: lo.compile(compiler_options=opts))
 
@@ -300,13 +319,14 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     meta = meta_for(B, W)
     x = sds((B, 1, cfg.d_model), dt)
     pos = sds((B, 1), jnp.int32)
-    kv = sds((B, T, cfg.n_kv_heads, cfg.head_dim), kdt)
+    kv_hd = kv_head_dim(cfg, target)
+    kv = sds((B, T, cfg.n_kv_heads, kv_hd), kdt)
     fmts = step_formats(cfg, pin or B, W, target, kv_dtype)
-    params, cache, *rest = step_args(cfg, B, W, kv_dtype)
+    params, cache, *rest = step_args(cfg, B, W, kv_dtype, target.platform)
     # one layer's weights: the stacked ones' layouts without the layer axis; the pool
     # layer's (n_layers=1) params and cache: the stacked ones' layouts as they are
     lp = jax.eval_shape(lambda p: llama.layer_params(p, 0), params)
-    p1, c1 = step_args(cfg1, B, W, kv_dtype)[:2]
+    p1, c1 = step_args(cfg1, B, W, kv_dtype, target.platform)[:2]
     if fmts is not None:
         fp, fc = fmts
         params, cache, p1, c1 = (layouts.place(params, fp), layouts.place(cache, fc),
@@ -325,7 +345,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         return llama.decoder_layer(lp, x, pos, cfg1,
                                    lambda q, _k, _v: (attend_rows(q, k, v, m, cfg), None))[0]
 
-    hl = hand_layer(cfg, B, W, kdt.itemsize)
+    hl = hand_layer(cfg, B, W, kdt.itemsize, kv_hd)
     layer_xla, layer_copies = cost_and_copies(layer_fn, (lp, x, pos, kv, kv, meta), target)
     layer = layer_xla + Cost(0.0, hl.kv_write)
 
@@ -377,7 +397,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
              "fill (kv_project)": (fill - Cost(0.0, hl.kv_write),
                                    2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * it
                                    + cfg.d_model * it * (1 + B)
-                                   + 2 * B * cfg.n_kv_heads * cfg.head_dim * it)}
+                                   + 2 * B * cfg.n_kv_heads * kv_hd * it)}
     copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
               "later check": later_copies, "step": step_copies}
     return Measured(Pieces(fixed, layer, later, fill), first, compiled, parts, copies)
@@ -547,7 +567,7 @@ def main(argv=None) -> int:
                 rows[B] = m
                 comp = m.pieces.full_depth(L)
                 copies = m.copies["fixed"] + L * m.copies["layer"]
-                an = analytic_step(cfg, B, W)
+                an = analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target))
                 verdict = "within 10 %" if abs(comp.bytes / an - 1) <= 0.10 else "NOT within 10 %"
                 sc = m.copies["step"]
                 step_copies = f" (copies {sc / 1e6:.1f})" if sc >= 5e4 else ""
@@ -658,7 +678,7 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
                 parts.append(speed(c))
             return " / ".join(parts)
 
-        t_an = max(analytic_step(cfg, B, W) / chip.hbm_bytes_per_s,
+        t_an = max(analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target)) / chip.hbm_bytes_per_s,
                    full.flops / chip.peak_flops)
         out.append(f"| {model} | {chip.name} ({how}) | {B} | {t_full * 1e3:.3f} | {bound} | "
                    f"{t_an * 1e3:.3f} | "

@@ -72,8 +72,8 @@ def test_plan_holds_every_variant():
 @needs_libtpu
 def test_every_step_program_compiles_for_tpu():
     """Prefill, full-depth decode, BatchExit and PerRow under both back-fill modes, bf16, for
-    one TPU v5e chip, with the Pallas kernel (the XLA attention path: the SmolLM2-shaped test
-    below, where pallas_tpu falls back to it)."""
+    one TPU v5e chip, with the Pallas kernel (the XLA attention path: prefill, and
+    `test_smollm2_shaped_decode_compiles_with_pallas_tpu`'s unpadded call)."""
     attention = "pallas_tpu"
     plan = _plan("tpu:v5e", attention)
     rows = list(plan.compile())
@@ -136,16 +136,29 @@ def test_tpu_kernel_rule_agrees_with_mosaic():
 
 @needs_libtpu
 def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
-    """The defect issue 21 found: pallas_tpu on SmolLM2's head_dim 64 failed in Mosaic; the
-    backend now takes the XLA path there (decided from shapes at trace time)."""
+    """The defect issue 21 found: pallas_tpu on SmolLM2's head_dim 64 failed in Mosaic. The
+    TPU cache is stored at head_dim 128 (`kv_cache.storage_head_dim`), so the engine's decode
+    step runs the kernel there, and it compiles; called on a head_dim-64 cache, the backend
+    itself still takes the XLA path (decided from shapes at trace time)."""
+    from ee_jax.serving.attention import AttentionMetadata
+    from ee_jax.serving.kv_cache import KVCache
+
     cfg = dataclasses.replace(CFG, n_heads=9, n_kv_heads=3, head_dim=64)
     plan = aot.Plan.make(cfg, aot.parse_target("tpu:v5e"), CONFIG, None, kinds=("decode",),
                          attention="pallas_tpu")
     runner = plan.runner(None)
+    assert runner.cache.k.shape[-1] == 128
     row = aot.build(runner, plan.shapes[0], plan.target, "full")
     assert row.error is None, row.error
     with attention_kernels.target_platform("tpu"):
-        assert "tpu_custom_call" not in runner.lower(plan.shapes[0]).as_text()
+        assert "tpu_custom_call" in runner.lower(plan.shapes[0]).as_text()
+    sds = jax.ShapeDtypeStruct
+    narrow = KVCache(*(sds((1, 9, 16, 3, 64), jnp.bfloat16) for _ in range(2)))
+    meta = AttentionMetadata(sds((2, 1), jnp.int32), sds((2, 4), jnp.int32),
+                             sds((2,), jnp.int32))
+    text = jax.jit(lambda q, c, m: attention_kernels.pallas_tpu(q, c, 0, m)).lower(
+        sds((2, 1, 9, 64), jnp.bfloat16), narrow, meta).as_text()
+    assert "tpu_custom_call" not in text
 
 
 def test_every_step_program_lowers_for_cuda_with_the_pallas_gpu_kernel():
@@ -295,7 +308,7 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
     for shape in (decode[0], decode[-1]):
         for exits in (True, False):
             assert big_copies(runner, shape, exits) == [], (shape, exits)
-    kv = jax.ShapeDtypeStruct(cache_shape(NARROW, plan.num_pages, plan.page_size),
+    kv = jax.ShapeDtypeStruct(cache_shape(NARROW, plan.num_pages, plan.page_size, "tpu"),
                               NARROW.jnp_dtype)
     plain = ModelRunner(NARROW, aot.abstract_params(NARROW), KVCache(kv, kv), NARROW_EC,
                         exit_heads.head_shapes(NARROW, NARROW_EC), attention="xla",

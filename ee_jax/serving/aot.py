@@ -330,7 +330,7 @@ class Plan:
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         platform = "gpu" if self.target.platform == "cuda" else self.target.platform
         kv = storage_dtype(cfg.dtype, platform)
-        shape = cache_shape(cfg, self.num_pages, self.page_size)
+        shape = cache_shape(cfg, self.num_pages, self.page_size, platform)
         cache = KVCache(jax.ShapeDtypeStruct(shape, kv), jax.ShapeDtypeStruct(shape, kv))
         if mesh is not None:
             cs = cache_sharding(cfg, mesh)  # one sharding, k and v alike
@@ -485,8 +485,9 @@ def memory(plan: Plan, rows: list[Row]) -> Memory | None:
     cfg, tp = plan.cfg, plan.mesh_spec.tp
     weights = tree_bytes(abstract_params(cfg)) // tp
     kv_tp = tp if cfg.n_kv_heads % tp == 0 else 1
-    kv = 2 * int(np.prod(cache_shape(cfg, plan.num_pages, plan.page_size))) * \
-        storage_dtype(cfg.dtype, plan.target.platform).itemsize // kv_tp
+    platform = "gpu" if plan.target.platform == "cuda" else plan.target.platform
+    kv = 2 * int(np.prod(cache_shape(cfg, plan.num_pages, plan.page_size, platform))) * \
+        storage_dtype(cfg.dtype, platform).itemsize // kv_tp
     temps = [r.temp_bytes for r in rows if r.temp_bytes is not None]
     return Memory(weights, kv, max(temps, default=0), plan.target.chip.hbm_bytes,
                   plan.mesh_spec.size)

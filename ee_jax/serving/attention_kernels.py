@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ee_jax.serving.attention import AttentionMetadata, Backend, paged_attention
-from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.kv_cache import NULL_PAGE, TPU_LANES, KVCache
 
 # Masked scores: finite, so that exp(m_old - m_new) of a row that has seen no key yet is
 # exp(0) or 0, never NaN (inf - inf).
@@ -303,7 +303,8 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
 # the array's. The kernel's running max and sum outputs are [B, H, 1] (or [B, H, 1, 1]) under
 # the query's block spec, whose last dimension is head_dim: only head_dim % 128 == 0 passes
 # (SmolLM2's 64 is refused in Mosaic lowering, found compiling for TPU v5e ahead of time).
-TPU_LANES = 128
+# So a TPU cache is stored with head_dim padded to 128 (`kv_cache.storage_head_dim`) and the
+# engine calls this kernel at 128.
 
 
 def tpu_kernel_fits(head_dim: int) -> bool:
@@ -321,7 +322,8 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     bf16), so on an f32 cache it agrees with the reference to bf16 precision, not f32.
     Decided from the shapes at trace time: a head_dim Mosaic refuses (`tpu_kernel_fits`:
     not a multiple of 128, e.g. SmolLM2's 64) takes `xla`; the interpreter has no such rule
-    and runs the kernel on any head_dim.
+    and runs the kernel on any head_dim. The engine's TPU cache is stored at a multiple of
+    128 (`kv_cache.storage_head_dim`), so through `paged_model.attend` the kernel applies.
     `interpret=True` runs it on CPU under Pallas' TPU interpreter (tests).
     """
     *_, hd, S, W = _check(q, cache, meta)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from ee_jax.models import backfill_maps, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
+from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, write_slots
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("maps", "slots"),
@@ -71,8 +71,7 @@ def write_backfill(cache: KVCache, ks: jax.Array, vs: jax.Array, n_done,
     pages = jnp.where(skipped, pages[None], NULL_PAGE)  # [L - first, B, T]
     layer_idx = jnp.broadcast_to(layer_ids[:, None, None], pages.shape)
     offsets = jnp.broadcast_to(offsets[None], pages.shape)
-    return KVCache(cache.k.at[layer_idx, pages, offsets].set(ks.astype(cache.k.dtype)),
-                   cache.v.at[layer_idx, pages, offsets].set(vs.astype(cache.v.dtype)))
+    return write_slots(cache, layer_idx, pages, offsets, ks, vs)
 
 
 def backfill(params: llama.Params, cache: KVCache, h: jax.Array, n_done, meta: AttentionMetadata,

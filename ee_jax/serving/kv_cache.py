@@ -17,6 +17,15 @@ bf16 cache while every write touches only its slots. It costs twice the bytes pe
 which `bytes_per_page` reports (the engine sizes the pool from it). GPU and TPU keep the
 16-bit dtype: their XLA backends scatter and gather 16-bit floats without the f32 detour (not
 checked here on a GPU; `tests/test_families.py` checks the CPU steps' compiled HLO).
+
+head_dim on TPU. A cache whose head_dim is not a multiple of 128 (SmolLM2's 64) is *stored*
+with head_dim padded to 128 on TPU (`storage_head_dim`): JAX's Pallas TPU paged-attention
+kernel lowers only for multiples of 128 (`attention_kernels.tpu_kernel_fits`), and without it
+the XLA path moves 8-17x the K/V bytes a kernel reads (docs/roofline.md). It costs no HBM: the
+TPU tiles an array's minor dimension to 128 lanes, so 64 columns take the memory of 128 in
+either layout. Writes fill the extra columns with zeros (`write_slots`), and attention pads q
+with zeros to match and keeps the first head_dim columns of its output
+(`ee_jax.serving.paged_model.attend`): q.k and p.v are unchanged, exactly.
 """
 
 from __future__ import annotations
@@ -51,8 +60,24 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    return (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+# The TPU's lane width: the minor dimension of an array in TPU memory is tiled by 128.
+TPU_LANES = 128
+
+
+def storage_head_dim(head_dim: int, platform: str | None = None) -> int:
+    """The head_dim a cache is held in on `platform` (default: the default device's): on TPU
+    rounded up to a multiple of 128 (module docstring), `head_dim` itself elsewhere."""
+    if (platform or _platform()) == "tpu":
+        return -(-head_dim // TPU_LANES) * TPU_LANES
+    return head_dim
+
+
+def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
+                platform: str | None = None) -> tuple[int, ...]:
+    """[L, P, S, K, hd] as stored on `platform` (default: the default device's;
+    `storage_head_dim`)."""
+    return (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads,
+            storage_head_dim(cfg.head_dim, platform))
 
 
 def _platform(sharding=None) -> str:
@@ -74,17 +99,21 @@ def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
 
 
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype, platform: str | None = None) -> int:
-    """Bytes of one page over all layers, K and V, as stored (`storage_dtype`)."""
+    """Bytes of one page over all layers, K and V, as stored (`storage_dtype`,
+    `storage_head_dim`)."""
     itemsize = storage_dtype(dtype, platform).itemsize
-    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * itemsize
+    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * \
+        storage_head_dim(cfg.head_dim, platform) * itemsize
 
 
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
                    sharding=None) -> KVCache:
     """Allocate once, zero-filled, directly on the device (no host copy), in the storage
-    dtype of `dtype` (default: the model's) on that device (`storage_dtype`)."""
-    dtype = storage_dtype(dtype or cfg.dtype, _platform(sharding))
-    shape = cache_shape(cfg, num_pages, page_size)
+    dtype of `dtype` (default: the model's) and the storage head_dim on that device
+    (`storage_dtype`, `storage_head_dim`)."""
+    platform = _platform(sharding)
+    dtype = storage_dtype(dtype or cfg.dtype, platform)
+    shape = cache_shape(cfg, num_pages, page_size, platform)
 
     @jax.jit
     def zeros():
@@ -101,8 +130,10 @@ def write_slots(cache: KVCache, layers, pages: jax.Array, offsets: jax.Array,
     broadcast to one shape [...]; k, v: [..., K, hd]. Only those slots are touched (a
     scatter, in place on a donated buffer; see the module docstring for 16-bit caches on
     CPU), and for a single slot also slot 0 of the null page, so that every write is a
-    scatter of two or more slots (see below). Every cache write (a layer's tokens, the
-    early-exit back-fill) can go through here."""
+    scatter of two or more slots (see below). k, v narrower than the cache's head_dim (a
+    padded TPU cache, `storage_head_dim`) are written with zeros in the extra columns. Every
+    cache write (a layer's tokens, the early-exit back-fill) goes through here."""
+    k, v = (pad_head_dim(a, cache.k.shape[-1]) for a in (k, v))
     shape = jnp.broadcast_shapes(jnp.shape(layers), pages.shape, offsets.shape)
     if math.prod(shape) == 1:  # one slot: and a second into the null page (nothing reads it)
         # XLA turns a one-slot scatter into a dynamic-update-slice, which on TPU wants the
@@ -116,6 +147,14 @@ def write_slots(cache: KVCache, layers, pages: jax.Array, offsets: jax.Array,
     index = (layers, pages, offsets)
     return KVCache(cache.k.at[index].set(k.astype(cache.k.dtype)),
                    cache.v.at[index].set(v.astype(cache.v.dtype)))
+
+
+def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    """x [..., hd] with zeros appended up to `head_dim` columns (a padded cache's)."""
+    extra = head_dim - x.shape[-1]
+    if extra < 0:
+        raise ValueError(f"head_dim {x.shape[-1]} does not fit a cache of head_dim {head_dim}")
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def write_layer(cache: KVCache, layer, pages: jax.Array, offsets: jax.Array,

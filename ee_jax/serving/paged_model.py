@@ -16,7 +16,7 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention import AttentionMetadata, write_kv
 from ee_jax.serving.attention_kernels import select_backend
-from ee_jax.serving.kv_cache import KVCache
+from ee_jax.serving.kv_cache import KVCache, pad_head_dim
 from ee_jax.serving.sharding import cache_spec
 
 
@@ -44,18 +44,25 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
     With query blocks (a ragged prefill step) q, k, v are on the layer's one token axis
     [N + B, heads, hd]: every K/V is written first (one scatter), then the backend runs twice,
     on the blocks as [NB, Q] query rows and on the rows' own tokens as [B, 1], and the
-    outputs go back to the token axis."""
+    outputs go back to the token axis.
+
+    A cache stored with a wider head_dim (TPU, `kv_cache.storage_head_dim`) holds zeros in
+    the extra columns: q is padded with zeros to match (q.k unchanged; the scale is the
+    model's, given explicitly) and the output keeps the model's head_dim."""
     cache = _keep_sharding(write_kv(cache, layer, meta, k, v), cfg)
+    hd = q.shape[-1]
+    q = pad_head_dim(q, cache.k.shape[-1])
     fn = functools.partial(select_backend(backend), cache=cache, layer=layer,
                            scale=cfg.attn_scale, window=llama.layer_window(cfg, layer),
                            softcap=cfg.attn_logit_softcap)
     if not meta.has_blocks:
-        return fn(q, meta=meta), cache
+        return fn(q, meta=meta)[..., :hd], cache
     NB, Q = meta.block_positions.shape
     N = NB * Q
     blocks = fn(q[:N].reshape(NB, Q, *q.shape[1:]), meta=meta.blocks_view())
     rows = fn(q[N:, None], meta=meta.rows_view())
-    return jnp.concatenate([blocks.reshape(N, *q.shape[1:]), rows[:, 0]]), cache
+    out = jnp.concatenate([blocks.reshape(N, *q.shape[1:]), rows[:, 0]])
+    return out[..., :hd], cache
 
 
 def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
