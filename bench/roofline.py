@@ -165,15 +165,27 @@ def meta_for(B: int, W: int) -> AttentionMetadata:
 
 
 def attend_rows(q, k, v, meta: AttentionMetadata, cfg):
-    """Attention of q [B, 1, H, hd] over the rows' own keys and values k, v [B, T, K, hd']
-    (what a paged kernel reads: the pages' contents, no pool), hd' the stored head_dim (q
-    padded with zeros to it, as `paged_model.attend` does over a padded TPU cache)."""
-    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    """Attention of q [B, 1, H, hd] over the rows' own keys and values k, v [B, K, T, hd'],
+    kv heads first as the paged kernels read their pages ([K, pages, page_size, hd]): what a
+    kernel reads, the pages' contents, no pool. hd' is the stored head_dim (q padded with
+    zeros to it, as `paged_model.attend` does over a padded TPU cache). Scores and softmax in
+    f32, as the kernels compute them."""
+    B, T, H, hd = q.shape
+    K = k.shape[1]
+    G = H // K
+    qh = pad_head_dim(q, k.shape[-1]).reshape(B, T, K, G, -1)
+    s = jnp.einsum("btkgd,bksd->bkgts", qh, k, preferred_element_type=jnp.float32)
+    s = s * cfg.attn_scale
+    if cfg.attn_logit_softcap is not None:
+        s = jnp.tanh(s / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
+    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     mask = llama.attention_weights_mask(meta.positions, key_pos,
-                                        key_pos[None, :] < meta.kv_lens[:, None])
-    out = llama.gqa_attention(pad_head_dim(q, k.shape[-1]), k, v, mask, scale=cfg.attn_scale,
-                              softcap=cfg.attn_logit_softcap)
-    return out[..., :q.shape[-1]]
+                                        key_pos[None, :] < meta.kv_lens[:, None])  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, -1)[..., :hd].astype(q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +332,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     x = sds((B, 1, cfg.d_model), dt)
     pos = sds((B, 1), jnp.int32)
     kv_hd = kv_head_dim(cfg, target)
-    kv = sds((B, T, cfg.n_kv_heads, kv_hd), kdt)
+    kv = sds((B, cfg.n_kv_heads, T, kv_hd), kdt)  # heads first, as the kernels read
     fmts = step_formats(cfg, pin or B, W, target, kv_dtype)
     params, cache, *rest = step_args(cfg, B, W, kv_dtype, target.platform)
     # one layer's weights: the stacked ones' layouts without the layer axis; the pool
