@@ -291,6 +291,19 @@ def _tune(args) -> int:
     return 0
 
 
+def _fit_backfill(args) -> int:
+    from ee_jax.models.loading import load_model
+    from ee_jax.training.tune import refit_backfill_maps
+    from ee_jax.training.tune_config import TuneConfig
+
+    tc = TuneConfig.from_yaml(args.config)
+    model = load_model(tc.model, dtype="float32", progress=not args.quiet)
+    res = refit_backfill_maps(tc, model, args.heads or tc.output, tuple(args.prompts),
+                              args.rank, args.ridge, progress=not args.quiet)
+    print(json.dumps(res))
+    return 0
+
+
 def _calibrate(args) -> int:
     """Re-pick the threshold of saved heads on the preset's calibration answers (the heads'
     arrays stay as they are); --served measures served agreement instead."""
@@ -633,6 +646,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ship", action="store_true", help="with --served: write the pick into "
                    "the heads folder (calibration.json and exit_config.json's threshold)")
     c.set_defaults(func=_calibrate)
+    f = sub.add_parser("fit-backfill", help="fit the learned back-fill maps of tuned exit "
+                       "heads afresh, on the model's own answers to training prompts; the "
+                       "heads and threshold stay as they are")
+    f.add_argument("--config", required=True, help="the heads' YAML tuning preset")
+    f.add_argument("--heads", help="heads folder (default: the preset's output)")
+    f.add_argument("--prompts", type=int, nargs=3, default=[96, 48, 96],
+                   metavar=("INSTRUCTIONS", "CODE", "EVERYDAY"),
+                   help="training prompts per group whose answers the maps are fitted on")
+    f.add_argument("--rank", type=int, default=48)
+    f.add_argument("--ridge", type=float, default=1e-3)
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(func=_fit_backfill)
     _add_eval_parser(sub)
     _add_serve_parser(sub)
     _add_compile_parser(sub)

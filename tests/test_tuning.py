@@ -229,3 +229,16 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert record["rank"] == tc.backfill_rank and record["fit_tokens"] > 0
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
     assert ec3.threshold == NEVER  # agreement 1 cannot be certified with errors allowed
+
+
+def test_answer_rows_score_the_states_that_predict_answer_tokens():
+    """`ee-jax fit-backfill` fits maps on the states a served step could back-fill: those
+    whose next token is an answer token (the prompt's last position onwards)."""
+    from ee_jax.training.tune import _answer_rows
+
+    rows, scored = _answer_rows([([5, 6, 7], [8, 9]), ([4], [3, 2, 1])], max_len=16)
+    assert rows.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 1, 0]]
+    assert scored.tolist() == [[False, False, True, True, False],
+                               [True, True, True, False, False]]
+    rows, scored = _answer_rows([([1, 2, 3], [4, 5, 6])], max_len=4)  # cut at max_len
+    assert rows.tolist() == [[1, 2, 3, 4]] and scored.tolist() == [[False, False, True, False]]

@@ -139,12 +139,22 @@ def calibration_answers(tc: TuneConfig, model, progress: bool = True
                         ) -> dict[str, list[tuple[list[int], list[int]]]]:
     """The model's own full-depth answers to the "calib" split, per group ("instructions",
     "code", "everyday"): {group: [(prompt ids, answer ids)]}."""
+    return split_answers(tc, model, "calib", (tc.calib_instructions, tc.calib_code_prompts,
+                                              tc.calib_everyday), progress)
+
+
+def split_answers(tc: TuneConfig, model, split: str, counts: tuple[int, int, int],
+                  progress: bool = True) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The model's own full-depth answers (`tc.gen_max_tokens` at most, cached in work_dir)
+    to `counts` = (instructions, code prompts, everyday requests) of `split`, per group:
+    {group: [(prompt ids, answer ids)]}."""
+    n_instr, n_code, n_every = counts
     wanted = {"instructions": [("chat", s) for s in data.instructions(
-                  "calib", tc.calib_instructions, tc.seed)] if tc.calib_instructions else [],
+                  split, n_instr, tc.seed)] if n_instr else [],
               "code": [("code", s) for s in data.code_prompts(
-                  "calib", tc.calib_code_prompts, tc.seed)] if tc.calib_code_prompts else [],
+                  split, n_code, tc.seed)] if n_code else [],
               "everyday": [("chat", s) for s in data.everyday_requests(
-                  "calib", tc.calib_everyday, tc.seed)] if tc.calib_everyday else []}
+                  split, n_every, tc.seed)] if n_every else []}
     wanted = {g: items for g, items in wanted.items() if items}
     if not wanted:
         return {}
@@ -226,6 +236,71 @@ def served_tables(model, ec: ExitConfig, heads, answers, thresholds, *,
             tuple(sum(by_t[t][i][3] for i in items) / n for t in grid), n, sizes,
             tuple(tuple(by_t[t][i][0] for i in items) for t in grid))
     return tables
+
+
+def _answer_rows(pairs: list[tuple[list[int], list[int]]], max_len: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [N, T], scored [N, T]): prompt + answer per row (cut at max_len, right-padded
+    with 0), scored where the row holds an answer token's state (the input that produced
+    it is the token before: positions n-1 .. end-2, what a served step computes)."""
+    T = min(max_len, max(len(p) + len(a) for p, a in pairs))
+    rows = np.zeros((len(pairs), T), np.int32)
+    scored = np.zeros((len(pairs), T), bool)
+    for i, (p, a) in enumerate(pairs):
+        ids = (p + a)[:T]
+        rows[i, :len(ids)] = ids
+        scored[i, max(len(p) - 1, 0):len(ids) - 1] = True
+    return rows, scored
+
+
+def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
+                        counts: tuple[int, int, int], rank: int, ridge: float,
+                        progress: bool = True) -> dict:
+    """Fit the learned back-fill maps of saved heads afresh (`backfill_fit.MapFitter`) on the
+    model's own answers to `counts` = (instructions, code prompts, everyday requests) of the
+    training split, answer tokens only; measure held-out K/V error on the calibration
+    answers against the heads' present maps and propagate; write the new maps into the
+    folder (exit_config.json's `backfill_maps` records how). Returns the record."""
+    from ee_jax.models import backfill_maps as bm
+    from ee_jax.training.backfill_fit import _states_of, kv_errors
+
+    cfg, params = model.config, model.params
+    ec, heads = load_exit_heads(heads_dir, cfg)
+    train = [pq for g in split_answers(tc, model, "train", counts, progress).values()
+             for pq in g]
+    rows, scored = _answer_rows(train, tc.seq_len)
+    fitter = fit_from_rows(cfg, params, ec.exit_layers, rows, scored, progress=progress)
+    maps = fitter.solve(rank, ridge)
+    held = [pq for g in calibration_answers(tc, model, progress).values() for pq in g]
+    hrows, hscored = _answer_rows(held, tc.seq_len)
+    first = ec.exit_layers[0]
+    states = np.concatenate([np.asarray(_states_of(params, jnp.asarray(hrows[i:i + 4]), cfg,
+                                                   first))[hscored[i:i + 4]]
+                             for i in range(0, len(hrows), 4)])
+
+    def mean_errors(m) -> dict[str, float]:
+        errs = np.array(list(kv_errors(cfg, params, ec.exit_layers, m, states).values()))
+        return {"K_propagate": round(float(errs[:, 0].mean()), 3),
+                "K_learned": round(float(errs[:, 1].mean()), 3),
+                "V_propagate": round(float(errs[:, 2].mean()), 3),
+                "V_learned": round(float(errs[:, 3].mean()), 3)}
+
+    new = mean_errors(maps)
+    old = mean_errors(heads["backfill"]) if "backfill" in heads else None
+    info = {"rank": rank, "ridge": ridge, "fit_tokens": int(fitter.n),
+            "fit_data": f"answer tokens of {tc.model}'s own greedy answers "
+                        f"({tc.gen_max_tokens} max) to {counts[0]} training instructions, "
+                        f"{counts[2]} everyday requests, {counts[1]} code prompts (training "
+                        f"splits)",
+            "held_out": f"{len(states)} answer tokens of the calibration split's answers",
+            "held_out_rel_error_mean": new,
+            "date": time.strftime("%Y-%m-%d")}
+    bm.save_maps(heads_dir, cfg, ec.exit_layers, maps, info)
+    meta_path = Path(heads_dir) / "exit_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta["backfill_maps"] = {"file": bm.FILE, **info}
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return {**info, "previous_maps_on_the_same_tokens": old}
 
 
 def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True,
