@@ -292,6 +292,8 @@ def _tune(args) -> int:
 
 
 def _fit_backfill(args) -> int:
+    import shlex
+
     from ee_jax.models.loading import load_model
     from ee_jax.training.tune import refit_backfill_maps
     from ee_jax.training.tune_config import TuneConfig
@@ -299,7 +301,8 @@ def _fit_backfill(args) -> int:
     tc = TuneConfig.from_yaml(args.config)
     model = load_model(tc.model, dtype="float32", progress=not args.quiet)
     res = refit_backfill_maps(tc, model, args.heads or tc.output, tuple(args.prompts),
-                              args.rank, args.ridge, progress=not args.quiet)
+                              args.rank, args.ridge, progress=not args.quiet,
+                              command="ee-jax fit-backfill " + shlex.join(args.argv))
     print(json.dumps(res))
     return 0
 

@@ -255,7 +255,7 @@ def _answer_rows(pairs: list[tuple[list[int], list[int]]], max_len: int
 
 def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
                         counts: tuple[int, int, int], rank: int, ridge: float,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, command: str | None = None) -> dict:
     """Fit the learned back-fill maps of saved heads afresh (`backfill_fit.MapFitter`) on the
     model's own answers to `counts` = (instructions, code prompts, everyday requests) of the
     training split, answer tokens only; measure held-out K/V error on the calibration
@@ -295,6 +295,8 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
             "held_out": f"{len(states)} answer tokens of the calibration split's answers",
             "held_out_rel_error_mean": new,
             "date": time.strftime("%Y-%m-%d")}
+    if command:
+        info["command"] = command
     bm.save_maps(heads_dir, cfg, ec.exit_layers, maps, info)
     meta_path = Path(heads_dir) / "exit_config.json"
     meta = json.loads(meta_path.read_text())
