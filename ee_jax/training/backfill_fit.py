@@ -129,7 +129,7 @@ def kv_errors(cfg: ModelConfig, params, exit_layers: tuple[int, ...], maps: bm.M
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "first"))
-def _states_of(params, tokens, cfg: ModelConfig, first: int) -> jax.Array:
+def states_of(params, tokens, cfg: ModelConfig, first: int) -> jax.Array:
     """tokens [B, T] -> the state after first..L-1 layers [B, T, L - first, D] (f32)."""
     hidden = llama.forward(params, tokens, cfg, return_hidden=True)[1]  # [L, B, T, D]
     return jnp.moveaxis(hidden[first - 1:cfg.n_layers - 1], 0, 2).astype(jnp.float32)
@@ -151,7 +151,7 @@ def fit_from_rows(cfg: ModelConfig, params, exit_layers: tuple[int, ...], rows: 
         chunk = rows[i:i + batch]
         pad = np.concatenate([chunk, np.zeros((batch - len(chunk), rows.shape[1]),
                                               rows.dtype)])
-        hs = np.asarray(_states_of(params, jnp.asarray(pad), cfg, first))[:len(chunk)]
+        hs = np.asarray(states_of(params, jnp.asarray(pad), cfg, first))[:len(chunk)]
         keep = np.ones(chunk.shape, bool) if scored is None else scored[i:i + batch]
         if keep.any():
             fitter.add(hs[keep])

@@ -29,6 +29,7 @@ import optax
 from tqdm.auto import tqdm
 
 from ee_jax.errors import EEJaxError
+from ee_jax.models import backfill_maps as bm
 from ee_jax.models import exit_heads, exit_threshold
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
@@ -39,7 +40,7 @@ from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.training import cached as C
 from ee_jax.training import data
-from ee_jax.training.backfill_fit import fit_from_rows
+from ee_jax.training.backfill_fit import fit_from_rows, kv_errors, states_of
 from ee_jax.training.losses import LossWeights, exit_losses
 from ee_jax.training.selfgen import self_generate
 from ee_jax.training.tune_config import TuneConfig, TuneConfigError
@@ -261,9 +262,6 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
     training split, answer tokens only; measure held-out K/V error on the calibration
     answers against the heads' present maps and propagate; write the new maps into the
     folder (exit_config.json's `backfill_maps` records how). Returns the record."""
-    from ee_jax.models import backfill_maps as bm
-    from ee_jax.training.backfill_fit import _states_of, kv_errors
-
     cfg, params = model.config, model.params
     ec, heads = load_exit_heads(heads_dir, cfg)
     train = [pq for g in split_answers(tc, model, "train", counts, progress).values()
@@ -274,7 +272,7 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
     held = [pq for g in calibration_answers(tc, model, progress).values() for pq in g]
     hrows, hscored = _answer_rows(held, tc.seq_len)
     first = ec.exit_layers[0]
-    states = np.concatenate([np.asarray(_states_of(params, jnp.asarray(hrows[i:i + 4]), cfg,
+    states = np.concatenate([np.asarray(states_of(params, jnp.asarray(hrows[i:i + 4]), cfg,
                                                    first))[hscored[i:i + 4]]
                              for i in range(0, len(hrows), 4)])
 
