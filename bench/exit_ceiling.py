@@ -17,10 +17,11 @@ full-depth answers, `tune.calibration_rows`), from the dense forward:
 Each packed row of answers is replayed token by token as a row of decode steps: batch 1
 (memory-bound, this CPU at batch 1: a weight paid once per step) and batch 8 (8 rows side by
 side, per_row, compute-bound: paid per row). Deferred back-fill's pending token (the row's
-previous one, when it left early) runs its skipped layers in the step, so a memory-bound
-step with one runs every layer; propagate and learned pay the skipped layers' K/V
-projections (learned: plus its maps). Ideal, not measured: the measured figures are
-`bench.shipped_exits`'s.
+previous one, when it left early) rides along as a second query in the layers its row's new
+token runs anyway: memory-bound it costs no weight, compute-bound its arithmetic (from the
+step's lowest pending layer up, for every running row: `exit_cost.step_cost`). All three pay
+the skipped layers' K/V projections (learned: plus its maps). Ideal, not measured: the
+measured figures are `bench.shipped_exits`'s.
 """
 
 from __future__ import annotations
@@ -162,9 +163,10 @@ def main(argv=None) -> int:
                          + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
     lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
-              "by side, per_row, compute-bound (per row). Deferred: a step whose row has a "
-              "pending token runs every layer (memory-bound) or the pending token's skipped "
-              f"layers too (compute-bound). Propagate / learned: the skipped layers' K/V "
+              "by side, per_row, compute-bound (per row). Deferred: the pending token rides "
+              "along in the layers the new token runs (memory-bound: no weight more; "
+              "compute-bound: a second query a row from the step's lowest pending layer up). "
+              f"All: the skipped layers' K/V "
               f"projections ({kv:.3f} of a layer each; learned + {maps:.3f} for its rank-"
               f"{rank} maps)."]
     text = "\n".join(lines) + "\n"

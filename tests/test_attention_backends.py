@@ -178,7 +178,8 @@ def test_xla_row_block_must_be_positive():
        window=st.sampled_from([None, None, 3]), softcap=st.sampled_from([None, 2.0]),
        seed=st.integers(0, 2**16))
 def test_pallas_gpu_interpreted_equals_dense(page_size, lengths, T, window, softcap, seed):
-    """Decode through the Triton kernel (T > 1 or a window falls back to xla)."""
+    """Decode through the Triton kernel (T = 2, deferred's pending query: as two rows; a
+    window falls back to xla)."""
     q, cache, meta, truth = make_case(seed, lengths, page_size, T)
     win = None if window is None else jnp.int32(window)
     got = np.asarray(jitted("pallas_gpu")(q, cache, jnp.int32(1), meta, scale=0.3, window=win,
@@ -189,12 +190,13 @@ def test_pallas_gpu_interpreted_equals_dense(page_size, lengths, T, window, soft
 
 
 @settings(max_examples=3, deadline=None)
-@given(page_size=st.sampled_from([4, 16]), lengths=lengths_st,
+@given(page_size=st.sampled_from([4, 16]), lengths=lengths_st, T=st.sampled_from([1, 2]),
        softcap=st.sampled_from([None, 2.0]), seed=st.integers(0, 2**16))
-def test_pallas_tpu_interpreted_equals_dense(page_size, lengths, softcap, seed):
+def test_pallas_tpu_interpreted_equals_dense(page_size, lengths, T, softcap, seed):
     """The TPU kernel rounds K and V to bf16 inside (whatever the cache dtype), so the cache
-    holds bf16-representable values here; then it agrees with the f64 truth to f32 level."""
-    q, cache, meta, truth = make_case(seed, lengths, page_size, T=1, bf16_values=True)
+    holds bf16-representable values here; then it agrees with the f64 truth to f32 level.
+    T = 2 (deferred's pending query beside the row's own) runs as two rows."""
+    q, cache, meta, truth = make_case(seed, lengths, page_size, T=T, bf16_values=True)
     got = np.asarray(jitted("pallas_tpu")(q, cache, jnp.int32(0), meta, scale=0.3,
                                           softcap=softcap))
     assert np.isfinite(got).all()
@@ -211,6 +213,17 @@ def test_pallas_either_copy_of_the_layer(backend, tight_pool):
                                       tight_pool=tight_pool)
     B, W = meta.page_table.shape
     assert (cache.num_pages <= B * W) == tight_pool
+    got = np.asarray(jitted(backend)(q, cache, jnp.int32(1), meta, scale=None))
+    np.testing.assert_allclose(got, dense_truth(truth, 1, HD ** -0.5, None, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+def test_pallas_two_queries_a_row(backend):
+    """Deferred's decode step: the pending token's query beside the row's own (positions
+    n-2, n-1), through the kernel as two rows each stopping at its own position; a row of
+    one key (its first query sees it too, clipped at 0) and a padding row among them."""
+    q, cache, meta, truth = make_case(4, [MAX_LEN, 1, 0, 9], 4, T=2, bf16_values=True)
     got = np.asarray(jitted(backend)(q, cache, jnp.int32(1), meta, scale=None))
     np.testing.assert_allclose(got, dense_truth(truth, 1, HD ** -0.5, None, None),
                                atol=1e-5, rtol=1e-5)

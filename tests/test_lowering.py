@@ -159,6 +159,17 @@ def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
     text = jax.jit(lambda q, c, m: attention_kernels.pallas_tpu(q, c, 0, m)).lower(
         sds((2, 1, 9, 64), jnp.bfloat16), narrow, meta).as_text()
     assert "tpu_custom_call" not in text
+    # deferred's decode step carries each row's pending token as a second query: the kernel
+    # takes it as a row of its own (no XLA fallback); a prefill block's queries take xla
+    wide = KVCache(*(sds((1, 9, 16, 3, 128), jnp.bfloat16) for _ in range(2)))
+    for T, kernel in ((2, True), (attention_kernels.KERNEL_MAX_QUERIES + 1, False)):
+        m = AttentionMetadata(sds((2, T), jnp.int32), sds((2, 4), jnp.int32),
+                              sds((2,), jnp.int32))
+        with attention_kernels.target_platform("tpu"):
+            text = jax.jit(lambda q, c, m: attention_kernels.pallas_tpu(q, c, 0, m)).trace(
+                sds((2, T, 9, 128), jnp.bfloat16), wide, m).lower(
+                lowering_platforms=("tpu",)).as_text()
+        assert ("tpu_custom_call" in text) == kernel, T
 
 
 def test_every_step_program_lowers_for_cuda_with_the_pallas_gpu_kernel():
@@ -320,16 +331,27 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
 
 def test_roofline_composition():
     """Hand-counted steps: propagate pays the layers run plus K/V projections of the rest;
-    deferred pays every layer (the pending token runs the skipped ones next step)."""
+    deferred pays propagate's plus its pending token's second query in the layers the new
+    token runs above the pending one (`ride`)."""
     from ee_jax.serving.roofline import Cost, Pieces, seconds
 
     p = Pieces(fixed=Cost(10.0, 100.0), layer=Cost(2.0, 50.0), check=Cost(1.0, 5.0),
-               fill=Cost(0.5, 3.0))
+               fill=Cost(0.5, 3.0), ride=Cost(2.0, 7.0))
     assert p.full_depth(4) == Cost(18.0, 300.0)
     assert p.exit_at(1, 4, 1, "propagate") == Cost(10 + 2 + 1 + 3 * 0.5, 100 + 50 + 5 + 9)
-    assert p.exit_at(1, 4, 1, "deferred") == Cost(18 + 1 + 0.5, 300 + 5 + 3)
+    # nothing pending, or pending at or above e: propagate's step
+    assert p.exit_at(1, 4, 1, "deferred") == p.exit_at(1, 4, 1, "propagate")
+    assert p.exit_at(1, 4, 1, "deferred", pending=2) == p.exit_at(1, 4, 1, "propagate")
+    # pending at 1, the new token leaves at 3: layers 1, 2 carry the second query
+    assert p.exit_at(3, 4, 2, "deferred", pending=1) == Cost(10 + 6 + 2 + 0.5 + 2 * 2,
+                                                            100 + 150 + 10 + 3 + 2 * 7)
     mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "propagate")
     want = 0.25 * p.exit_at(1, 4, 1, "propagate") + 0.75 * p.exit_at(4, 4, 2, "propagate")
+    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
+    # deferred: the pending layer drawn from the same histogram; only (p=1, e=4) rides,
+    # 3 layers, with probability 1/4 * 3/4
+    mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "deferred")
+    want = want + (3 / 16) * 3 * p.ride
     assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
     assert seconds(Cost(2e12, 1e9), 1e12, 1e12) == 2.0  # compute-bound
     assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound

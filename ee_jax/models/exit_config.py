@@ -70,18 +70,19 @@ class ExitConfig:
     was calibrated to meet (`ee_jax.models.exit_threshold`); in (0, 1].
     backfill: what the skipped layers of a token that left early hold. "deferred" (the
     default): K/V projected from its exit state at once, then the row's next decode step
-    runs the token's skipped layers for real beside its own token (one more query per row in
-    the layers above the exit, where the weights are read anyway) and overwrites them with
-    the exact K/V; later tokens then see what full depth would have written, unless that
-    next token leaves early too (the older token then keeps the K/V of its deepest state) or
-    the row's next step is a prefill step (mixed steps run decode rows at full depth and
-    drop what they complete). "propagate" (CALM's state propagation, the reference design's
-    fill): the projected K/V, for good; on SmolLM2 they cost later tokens 3-12x more
-    agreement with full depth (docs/benchmarks.md). "learned": propagate's cost (the
-    skipped layers are never run) with fitted maps correcting the projected K/V towards full
-    depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
-    Deferred saves no layer (DESIGN section 5: a step with a pending token runs every
-    layer); propagate and learned do.
+    runs the token's skipped layers for real beside its own token (one more query per row,
+    riding along in the layers the new token runs anyway: above its own exit it runs none)
+    and overwrites them with the exact K/V; later tokens then see what full depth would have
+    written, unless that next token leaves early too (the older token then keeps the K/V of
+    its deepest state) or the row's next step is a prefill step (mixed steps run decode rows
+    at full depth and drop what they complete). "propagate" (CALM's state propagation, the
+    reference design's fill): the projected K/V, for good; on SmolLM2 they cost later tokens
+    3-12x more agreement with full depth (docs/benchmarks.md). "learned": propagate's cost
+    (the skipped layers are never run) with fitted maps correcting the projected K/V towards
+    full depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
+    All three run only the layers the step's new tokens run (DESIGN section 5); deferred
+    adds its second query's arithmetic in them (free where decode is memory-bound, paid per
+    row where it is compute-bound).
     """
 
     exit_layers: tuple[int, ...] = ()

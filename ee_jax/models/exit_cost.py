@@ -5,16 +5,23 @@ head; the ideal counts the heads: (L + final head) / mean cost (DESIGN section 4
 head"). That per-token count is exact only where each token's work is its own.
 
 Per step (`step_cost`, issue #23, DESIGN section 5): what a decode step really runs, per
-back-fill mode. A step pays for the union of what its rows run. Two regimes:
+back-fill mode. A step pays for the union of what its rows run. Under "deferred" a row's
+pending token (its previous token, left early at p) rides along as a second query in the
+layers its row's new token runs anyway (`step._with_checks`): layers p..e-1 when the new token
+leaves at e > p, none when e <= p; the layers above e keep K/V propagated from the deepest
+state the old token reached (refilled from it when it got deeper). So deferred never runs a
+layer the new token does not. Two regimes:
 
 * memory-bound (GPU/TPU at small batch, a CPU at batch 1): a weight is paid once per step if
-  any row uses it. Layers: the deepest row's; under back-fill "deferred" every layer whenever
-  a row has a pending token (it runs layers e_prev..L-1 for it). The LM head's rows: once for
-  the exit head if any row left early, once for the final head if any ran to L. Checks: each
-  exit checked while any row was running. K/V back-fill: the skipped layers' K/V weights
-  (`kv_fraction` of a layer each) from the shallowest exit up; "learned" adds its maps.
-* compute-bound (a CPU at batch 8 and up): everything per row: its layers (plus, deferred,
-  the L - e_prev layers of its pending token), its checks, its head, its back-fill.
+  any row uses it. Layers: the deepest row's, under every back-fill (deferred's second query
+  reads the same weights). The LM head's rows: once for the exit head if any row left early,
+  once for the final head if any ran to L. Checks: each exit checked while any row was
+  running. K/V back-fill: the skipped layers' K/V weights (`kv_fraction` of a layer each)
+  from the shallowest exit up; "learned" adds its maps.
+* compute-bound (a CPU at batch 8 and up): everything per row: its layers, its checks, its
+  head, its back-fill; deferred adds its second query: from the step's lowest pending layer
+  up every running row computes two queries (the band is one per step, `step.stage`), and a
+  refilled old token's K/V projections.
 
 Full depth is L + the final head per row (compute) or per step (memory). `step_speedup` is
 what the engine's exit controller reads; `sequence_speedup` replays real per-row exit
@@ -56,9 +63,9 @@ class CostModel:
     """Per-token cost of early exit in layer-equivalents (multiply-adds / `layer_macs`).
 
     A token leaving at exit e costs e layers + every check at exits <= e + the exit head
-    (+ its skipped layers at `completion` each when back-fill "deferred" runs them in the
-    next step); at full depth L layers + every check + the final head. `ideal_speedup` is the
-    honest ideal: (L + final head) / mean cost."""
+    (+ its skipped layers at `completion` each, an average cost of back-fill "deferred"
+    completing them in later steps); at full depth L layers + every check + the final head.
+    `ideal_speedup` is the honest ideal: (L + final head) / mean cost."""
 
     n_layers: int
     exit_layers: tuple[int, ...]
@@ -86,15 +93,15 @@ class CostModel:
         return (self.n_layers + self.final_head) / self.mean_cost(exit_counts)
 
 
-def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float | None = None) -> CostModel:
+def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float = 0.0) -> CostModel:
     """The cost model of these exits on this model (pure arithmetic on the shapes).
 
-    completion: the cost of a layer a back-fill "deferred" token runs in its row's next step,
-    in layer-equivalents; default its multiply-adds, a whole layer (1.0; 0 under
-    "propagate"). In arithmetic, deferred exits save only the head: the layers are run
-    anyway. Where decode is memory-bound the second query rides on weights the row's own
-    token reads anyway (measured ~0.4 of a layer at batch 1 on a 2-core CPU,
-    `bench.policy_steps --step`): pass that to model time rather than arithmetic."""
+    completion: the cost, per skipped layer, of completing a back-fill "deferred" token
+    later, in layer-equivalents; default 0. The engine completes a token only in the layers
+    its row's next token runs anyway (a second query riding along), so what that costs
+    depends on the next token: `step_cost` prices it per step (nothing memory-bound; the
+    second query's arithmetic compute-bound). Pass a measured per-layer fraction here to fold
+    an average into the per-token count."""
     D, lay = cfg.d_model, float(layer_macs(cfg))
     vocab = ec.vocab_subset or cfg.vocab_size
     hidden = D + (2 * D * ec.adapter_rank if ec.head in ("adapter", "mlp") else 0)
@@ -109,15 +116,13 @@ def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float | None = None
     checks = tuple((first if i == 0 else check) / lay for i in range(len(ec.exit_layers)))
     if not ec.enabled:
         checks = tuple(0.0 for _ in ec.exit_layers)
-    if completion is None:
-        completion = 1.0 if ec.backfill == "deferred" else 0.0
     return CostModel(cfg.n_layers, ec.exit_layers, (D + cfg.vocab_size * D) / lay,
                      (hidden + vocab * D) / lay, checks,
                      completion if ec.enabled and ec.backfill == "deferred" else 0.0)
 
 
 def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts,
-                            completion: float | None = None) -> float:
+                            completion: float = 0.0) -> float:
     """(L + final head) / mean per-token cost, all in layer-equivalents, for tokens leaving
     per `exit_counts` {exit layer (L = full depth): count}. What `EngineStats` should report
     next to the measured speed-up (the plain L / mean layers leaves the heads out).
@@ -158,15 +163,18 @@ def step_cost(cm: CostModel, exit_layers: Sequence[int], pending: Sequence[int] 
                                                                              pending]
     fill = kv + (maps if backfill == "learned" else 0.0)  # per skipped layer
     if regime == "compute":
+        # deferred: the second query runs for every running row from the lowest pending
+        # layer up (L: none); a token left at e above its row's pending one refills it
+        lowest = min(pend)
         cost = 0.0
         for e, p in zip(ex, pend, strict=True):
-            cost += e + (L - p) + _checks_upto(cm, min(e, L - 1))
-            cost += cm.final_head if e >= L else cm.exit_head + fill * (L - e)
+            cost += e + max(0, e - lowest) + _checks_upto(cm, min(e, L - 1))
+            refills = 2 if p < e < L else 1
+            cost += cm.final_head if e >= L else cm.exit_head + refills * fill * (L - e)
         return cost
     deepest = max(ex)
-    layers = L if any(p < L for p in pend) else deepest
     early = [e for e in ex if e < L]
-    cost = layers + _checks_upto(cm, min(deepest, L - 1))
+    cost = deepest + _checks_upto(cm, min(deepest, L - 1))
     cost += cm.final_head if deepest >= L else 0.0
     if early:
         cost += cm.exit_head + fill * (L - min(early))

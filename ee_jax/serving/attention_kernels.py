@@ -15,8 +15,11 @@ sees no key (padding rows, kv_lens == 0) gives zeros. `layer` may be a traced in
   a time and folding it into an online softmax with f32 accumulators. Any T. Batches of
   at least two row blocks are sorted by length and each block of rows loops only to its own
   longest row, so a step's work follows the rows' real lengths, not B x the longest.
-- `pallas_gpu`, `pallas_tpu`: the paged decode-attention Pallas kernels JAX ships. Decode
-  only (T == 1, no sliding window); anything else falls back to `xla`.
+- `pallas_gpu`, `pallas_tpu`: the paged decode-attention Pallas kernels JAX ships: one
+  query a row, no sliding window. Up to `KERNEL_MAX_QUERIES` queries a row (a decode step
+  with back-fill "deferred" carries the row's pending token as a second query) go through
+  the kernel as that many rows, each with its own length, reading the row's pages once per
+  query; more (prefill blocks) or a window fall back to `xla`.
 
 `select_backend(name, platform)` picks one; "auto" picks by platform.
 """
@@ -245,11 +248,6 @@ def layer_pages(cache: KVCache, layer, page_table: jax.Array
     return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0), page_table
 
 
-def _decode_lengths(meta: AttentionMetadata) -> jax.Array:
-    """Keys the one query of each row sees: kv_lens, or fewer if its position is earlier."""
-    return jnp.clip(jnp.minimum(meta.kv_lens, meta.positions[:, 0] + 1), 0).astype(jnp.int32)
-
-
 def _pad_columns(table: jax.Array, multiple: int) -> jax.Array:
     W = table.shape[1]
     extra = -W % multiple
@@ -258,10 +256,29 @@ def _pad_columns(table: jax.Array, multiple: int) -> jax.Array:
     return table
 
 
+# Queries a row the kernel wrappers take as rows of their own (`_query_rows`). Each reads its
+# row's pages again: at two (deferred's pending token beside the row's own) that is 2x the
+# K/V a one-query step reads, where the `xla` fallback moved 8-17x on TPU
+# (docs/roofline.md); a prefill block's 16-512 queries stay on `xla`.
+KERNEL_MAX_QUERIES = 2
+
+
 def _kernel_applies(q: jax.Array, window, softcap) -> bool:
-    """The shipped kernels do one query per row, no sliding window, a static softcap."""
-    return q.shape[1] == 1 and _static_zero(window) and (
+    """The shipped kernels do one query per row (we give them up to KERNEL_MAX_QUERIES as
+    rows), no sliding window, a static softcap."""
+    return q.shape[1] <= KERNEL_MAX_QUERIES and _static_zero(window) and (
         softcap is None or not isinstance(softcap, jax.core.Tracer))
+
+
+def _query_rows(q: jax.Array, meta: AttentionMetadata, table: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The one-query kernels' rows for q [B, T, H, hd]: each query a row of its own
+    (q [B*T, H, hd]), seeing its row's keys up to its own position (lengths [B*T]: causal
+    attention without a window), through its row's page table (table [B, W'] repeated)."""
+    B, T = q.shape[:2]
+    lengths = jnp.clip(jnp.minimum(meta.kv_lens[:, None], meta.positions + 1), 0)  # [B, T]
+    return (q.reshape(B * T, *q.shape[2:]), lengths.reshape(B * T).astype(jnp.int32),
+            jnp.repeat(table, T, axis=0) if T > 1 else table)
 
 
 def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
@@ -274,7 +291,7 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     partitions merged afterwards; block_h must be a multiple of 16 (3 query heads per kv head
     in SmolLM2 are padded to 16). `interpret=True` runs it on CPU (tests).
     """
-    *_, hd, S, W = _check(q, cache, meta)
+    B, T, *_, hd, S, W = _check(q, cache, meta)
     if not _kernel_applies(q, window, softcap):
         return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
@@ -288,15 +305,14 @@ def pallas_gpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     pages_per_block = max(min_pages, min(8, 1 << (per_split - 1).bit_length()))
     per_split = -(-per_split // pages_per_block) * pages_per_block
     k_pages, v_pages, table = layer_pages(cache, layer, meta.page_table)
-    table = _pad_columns(table, k_splits * per_split)
-    lengths = _decode_lengths(meta)
-    qs = (q[:, 0].astype(jnp.float32) * scale).astype(cache.k.dtype)  # [B, H, hd]
+    qr, lengths, table = _query_rows(q, meta, _pad_columns(table, k_splits * per_split))
+    qs = (qr.astype(jnp.float32) * scale).astype(cache.k.dtype)  # [B*T, H, hd]
     out = gpu_kernel.paged_attention(
         qs, k_pages, v_pages, table, lengths, block_h=16,
         pages_per_compute_block=pages_per_block, k_splits=k_splits, interpret=interpret,
         attn_logits_soft_cap=None if softcap is None else float(softcap))
     out = jnp.where((lengths > 0)[:, None, None], out, 0)
-    return out[:, None].astype(q.dtype)
+    return out.reshape(B, T, *out.shape[1:]).astype(q.dtype)
 
 
 # Mosaic's block rule: a block's last two dimensions are multiples of 8 and 128, or equal to
@@ -326,7 +342,7 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     128 (`kv_cache.storage_head_dim`), so through `paged_model.attend` the kernel applies.
     `interpret=True` runs it on CPU under Pallas' TPU interpreter (tests).
     """
-    *_, hd, S, W = _check(q, cache, meta)
+    B, T, *_, hd, S, W = _check(q, cache, meta)
     if not _kernel_applies(q, window, softcap) or not (interpret or tpu_kernel_fits(hd)):
         return xla(q, cache, layer, meta, scale=scale, window=window, softcap=softcap)
     from jax.experimental.pallas import tpu as pltpu
@@ -335,16 +351,15 @@ def pallas_tpu(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *,
     scale = hd ** -0.5 if scale is None else float(scale)
     pages_per_block = max(1, min(W, 128 // S))  # 128 keys per block, at most the table
     k_pages, v_pages, table = layer_pages(cache, layer, meta.page_table)
-    table = _pad_columns(table, pages_per_block)
-    lengths = _decode_lengths(meta)
-    qs = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # [B, H, hd]
+    qr, lengths, table = _query_rows(q, meta, _pad_columns(table, pages_per_block))
+    qs = (qr.astype(jnp.float32) * scale).astype(q.dtype)  # [B*T, H, hd]
     ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
     with ctx:
         out = tpu_kernel(qs, k_pages, v_pages, lengths, table,
                          pages_per_compute_block=pages_per_block,
                          attn_logits_soft_cap=None if softcap is None else float(softcap))
     out = jnp.where((lengths > 0)[:, None, None], out, 0)
-    return out[:, None].astype(q.dtype)
+    return out.reshape(B, T, *out.shape[1:]).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- selection

@@ -8,14 +8,17 @@ composed from separately compiled pieces:
     full depth:  step = fixed + L * layer(B)
     early exit:  step = fixed + sum over exit layers e of P(e) * cost(e)
         cost(e)  = e * layer(B) + checks(e) * check(B) + (L - e) * fill(B)   (propagate)
-                 = L * layer(B) + checks(e) * check(B) + fill                 (deferred)
+        cost(p, e) = cost(e) + max(0, e - p) * ride(B)                       (deferred)
 
 `fixed` is what a step pays once whatever the depth (embedding, final head, sampling);
 `layer(B)` one layer at batch bucket B; `check(B)` one exit check (exit head and confidence);
 `fill(B)` the back-fill of one skipped layer (its K/V projected from the exit state). Under
-back-fill "deferred" a token that left early runs its skipped layers in the row's next step,
-so a step with a pending token runs every layer (DESIGN.md section 5): in steady state every
-layer is paid on every step, and only the exit head differs from full depth.
+back-fill "deferred" a row's previous token, left early at p, rides along as a second query
+in the layers p..e-1 its new token runs anyway (`step._with_checks`): `ride(B)` is what that
+second query adds to a layer (its activations and its own read of the row's K/V: the kernels
+take it as a row of its own); the weights are read once for both. Its layers above e keep K/V
+propagated from its state at e, in the same back-fill. The histogram of a step's exit layers
+gives p and e, drawn independently (`expected`).
 """
 
 from __future__ import annotations
@@ -60,31 +63,38 @@ class Pieces:
     layer: Cost
     check: Cost = ZERO
     fill: Cost = ZERO
+    ride: Cost = ZERO
 
     def full_depth(self, n_layers: int) -> Cost:
         return self.fixed + n_layers * self.layer
 
-    def exit_at(self, e: int, n_layers: int, checks: int, backfill: str) -> Cost:
+    def exit_at(self, e: int, n_layers: int, checks: int, backfill: str,
+                pending: int | None = None) -> Cost:
         """One step whose rows leave after layer `e` (e = L: full depth with its checks),
-        having run `checks` exit checks."""
-        if backfill == "deferred":  # the pending token runs the layers above e next step
-            return self.full_depth(n_layers) + checks * self.check + \
-                (0 if e >= n_layers else 1) * self.fill
-        if backfill != "propagate":
+        having run `checks` exit checks; under "deferred" with the rows' previous token
+        pending at layer `pending` (None or L: nothing pending)."""
+        if backfill not in ("deferred", "propagate"):
             raise ValueError(f"unknown back-fill mode {backfill!r}: 'deferred' or 'propagate'")
-        return self.fixed + e * self.layer + checks * self.check + (n_layers - e) * self.fill
+        cost = self.fixed + e * self.layer + checks * self.check + (n_layers - e) * self.fill
+        if backfill == "deferred" and pending is not None:
+            cost = cost + max(0, e - pending) * self.ride
+        return cost
 
     def expected(self, histogram: Mapping[int, float], n_layers: int,
                  checked: tuple[int, ...], backfill: str) -> Cost:
         """The mean step under a histogram {exit layer: share} (L: full depth), the checks
-        being at layers `checked` (a step leaving at e ran the checks at layers <= e)."""
+        being at layers `checked` (a step leaving at e ran the checks at layers <= e); under
+        "deferred" the pending token's layer drawn from the same histogram."""
         total = sum(histogram.values())
         if total <= 0:
             raise ValueError("the exit histogram is empty")
+        pend = histogram if backfill == "deferred" else {None: total}
         out = ZERO
         for e, share in histogram.items():
             checks = sum(1 for c in checked if c <= e)
-            out = out + (share / total) * self.exit_at(e, n_layers, checks, backfill)
+            for p, w in pend.items():
+                out = out + (share * w / total ** 2) * self.exit_at(e, n_layers, checks,
+                                                                     backfill, p)
         return out
 
 

@@ -73,7 +73,10 @@ from ee_jax.serving.paged_model import paged_layer
 class Pending:
     """Each row's previous token while its skipped layers hold propagated K/V (ExitConfig
     .backfill "deferred"): the row's next decode step runs those layers for that token too,
-    one more query per row at position (the row's position - 1), and writes the exact K/V."""
+    one more query per row at position (the row's position - 1), and writes the exact K/V,
+    but only in the layers the row's new token runs anyway (it rides along: the step runs no
+    layer more); above the new token's exit the old one's K/V are propagated again, from the
+    deeper state it reached. The exit costs (`exit_cost.step_cost`) count it so."""
 
     h: jax.Array  # [B, D] its hidden state after `layer` layers
     layer: jax.Array  # [B] int32: layers it has run; L (n_layers): nothing pending
