@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     modes = [(bf, b) for bf in ("deferred", "propagate", "learned") for b in (1, 8)]
     log(f"calibration split of {args.config} (self-generated answers, cached in {tc.work_dir})")
     groups = calibration_rows(tc, model)
-    lines = ["### Ceiling of the exit heads (`bench/exit_ceiling.py`)", "",
+    lines = ["### The honest ceiling per back-fill (`bench/exit_ceiling.py`)", "",
              f"Command: `python -m bench.exit_ceiling {' '.join(argv)}`. Run "
              f"{time.strftime('%Y-%m-%d %H:%M')}. Heads: {what} ({len(E)} exits "
              f"{E[0]}-{E[-1]}, {ec.head} head, measure {ec.measure}, subset "
