@@ -4,6 +4,8 @@ program elsewhere, and looks again from time to time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -137,7 +139,25 @@ def test_the_prior_pools_a_calibration_tables_groups():
     (dict(margin=1.5), "margin must be in"),
     (dict(check_overhead=-0.1), "check_overhead must be in"),
     (dict(memory_bound_batch=-1), "memory_bound_batch"),
+    (dict(ride_cost=-0.5), "ride_cost must be in"),
 ])
 def test_bad_controller_settings_are_named(kw, match):
     with pytest.raises(ControllerConfigError, match=match):
         ControllerConfig(**kw)
+
+
+def test_deferred_second_query_cost_moves_the_prediction():
+    """Memory-bound, deferred's pending token riding along costs no weight (ride 0: the
+    prediction is propagate's); on a CPU serving block weights it costs arithmetic per row
+    (`ride_cost`), and the same rows then predict less."""
+    from ee_jax.serving.controller import exit_predictor
+
+    ec = ExitConfig(exit_layers=(1, 2, 3), measure="max_prob", threshold=0.5)
+    counts = {1: 5, 4: 5}  # half the rows leave at 1: the next token often rides 1..3
+    kw = dict(memory_bound_batch=1, check_overhead=0.0)
+    prop = exit_predictor(CFG, dataclasses.replace(ec, backfill="propagate"),
+                          ControllerConfig(**kw))(1, counts)
+    free = exit_predictor(CFG, ec, ControllerConfig(ride_cost=0.0, **kw))(1, counts)
+    paid = exit_predictor(CFG, ec, ControllerConfig(ride_cost=0.7, **kw))(1, counts)
+    assert free == pytest.approx(prop)
+    assert paid < free

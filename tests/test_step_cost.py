@@ -58,6 +58,11 @@ def test_a_memory_bound_step_pays_each_weight_once():
     # runs no layer its row does not (1 layer, check, exit head, K/V of layers 1-3)
     assert sc.step_cost(CM, [1, 1], [4, 3], "deferred", "memory", KV) == pytest.approx(
         1 + 0.5 + 1 + 0.3)
+    # memory-bound with a cost per ridden layer (a CPU dequantizing block weights per row):
+    # the pending token at 1 rides layers 1, 2 of the new token's 3
+    assert sc.step_cost(CM, [3], [1], "deferred", "memory", KV, ride=0.5) == pytest.approx(
+        4.8 + 2 * 0.5)
+    assert sc.step_cost(CM, [3], [1], "propagate", "memory", KV, ride=0.5) == pytest.approx(4.8)
     # compute-bound, rows leaving at 3 and 4 with pending tokens at 1 and none: the second
     # query runs from layer 1 for every running row (row 0: + 2, row 1: + 3) and row 0's
     # old token is refilled at layer 3

@@ -148,9 +148,13 @@ def _checks_upto(cm: CostModel, layer: int) -> float:
 
 
 def step_cost(cm: CostModel, exit_layers: Sequence[int], pending: Sequence[int] | None,
-              backfill: str, regime: Regime, kv: float, maps: float = 0.0) -> float:
+              backfill: str, regime: Regime, kv: float, maps: float = 0.0,
+              ride: float = 0.0) -> float:
     """Cost of one decode step whose rows left at `exit_layers` (L: full depth), with their
-    pending tokens' exits `pending` (deferred only; L or None: none)."""
+    pending tokens' exits `pending` (deferred only; L or None: none). ride: what deferred's
+    second query adds to a layer where decode is memory-bound, in layer-equivalents (0 where
+    the weights' bytes are the cost; on a CPU serving GGUF block weights the dequantization
+    is arithmetic per row: ~0.7 measured at batch 1, `ControllerConfig.ride_cost`)."""
     if backfill not in BACKFILLS:
         raise ExitConfigError(f"backfill {backfill!r}: expected one of {BACKFILLS}")
     if regime not in REGIMES:
@@ -174,7 +178,7 @@ def step_cost(cm: CostModel, exit_layers: Sequence[int], pending: Sequence[int] 
         return cost
     deepest = max(ex)
     early = [e for e in ex if e < L]
-    cost = deepest + _checks_upto(cm, min(deepest, L - 1))
+    cost = deepest + ride * max(0, deepest - min(pend)) + _checks_upto(cm, min(deepest, L - 1))
     cost += cm.final_head if deepest >= L else 0.0
     if early:
         cost += cm.exit_head + fill * (L - min(early))
@@ -186,14 +190,14 @@ def full_step_cost(cm: CostModel, batch: int, regime: Regime) -> float:
 
 
 def sequence_speedup(cm: CostModel, steps: Sequence[Sequence[int]], backfill: str,
-                     regime: Regime, kv: float, maps: float = 0.0) -> float:
+                     regime: Regime, kv: float, maps: float = 0.0, ride: float = 0.0) -> float:
     """Full depth over early exit for decode steps whose rows (the same rows, in order, every
     step) left at steps[t][r]; a row's pending token is its previous step's (deferred)."""
     L = cm.n_layers
     total, prev = 0.0, None
     for rows in steps:
         pend = None if prev is None else [p if p < L else L for p in prev]
-        total += step_cost(cm, rows, pend, backfill, regime, kv, maps)
+        total += step_cost(cm, rows, pend, backfill, regime, kv, maps, ride)
         prev = rows
     full = sum(full_step_cost(cm, len(r), regime) for r in steps)
     return full / total if total else 1.0
@@ -201,7 +205,7 @@ def sequence_speedup(cm: CostModel, steps: Sequence[Sequence[int]], backfill: st
 
 def step_speedup(cm: CostModel, counts: dict[int, int], batch: int, backfill: str, regime: Regime,
                  kv: float, maps: float = 0.0, policy: str = "per_row", samples: int = 512,
-                 seed: int = 0) -> float:
+                 seed: int = 0, ride: float = 0.0) -> float:
     """Expected speed-up of steps of `batch` rows whose exit layers are drawn independently
     from `counts` {exit layer: rows} (each row's pending token drawn the same way). Policy
     "all": `counts` are batch exit layers (every row of a step leaves at the step's), so one
@@ -217,7 +221,7 @@ def step_speedup(cm: CostModel, counts: dict[int, int], batch: int, backfill: st
     for now, before in draws:
         if policy == "all":
             now, before = np.full(batch, now[0]), np.full(batch, before[0])
-        total += step_cost(cm, now.tolist(), before.tolist(), backfill, regime, kv, maps)
+        total += step_cost(cm, now.tolist(), before.tolist(), backfill, regime, kv, maps, ride)
     return samples * full_step_cost(cm, batch, regime) / total
 
 

@@ -37,6 +37,9 @@ class ControllerConfigError(EEJaxError, ValueError):
     """Controller settings that cannot work."""
 
 
+CPU_RIDE_COST = 0.7  # ControllerConfig.ride_cost's default on CPU
+
+
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     """mode "auto": decide per batch bucket; "exits": always the exit program (the engine
@@ -63,6 +66,11 @@ class ControllerConfig:
     # checks' dispatches), as a share of a full-depth step: calibrate it with
     # `python -m bench.shipped_exits --overhead` ("checks only / full" = 1 / (1 + this)).
     check_overhead: float = 0.05
+    # What back-fill "deferred"'s second query (its pending token riding along) adds to a
+    # memory-bound layer, in layers (`exit_cost.step_cost`'s ride); None: 0.7 on CPU (GGUF
+    # block weights are dequantized per row: measured 0.5-0.85 at batch 1 on a 2-core Xeon,
+    # docs/benchmarks.md), 0 elsewhere (the weights are read once for both queries).
+    ride_cost: float | None = None
     prior: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
@@ -82,6 +90,9 @@ class ControllerConfig:
             raise ControllerConfigError(f"exit controller check_overhead must be in [0, 10) "
                                         f"(a share of a full-depth step), got "
                                         f"{self.check_overhead}")
+        if self.ride_cost is not None and not 0.0 <= self.ride_cost <= 2.0:
+            raise ControllerConfigError(f"exit controller ride_cost must be in [0, 2] (layers "
+                                        f"a second query adds to one), got {self.ride_cost}")
         if self.prior and not _is_histogram(self.prior):
             raise ControllerConfigError(f"exit controller prior must be a tuple of (exit layer "
                                         f">= 1, share in [0, 1]) pairs whose shares sum to 1, "
@@ -195,15 +206,17 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
     maps = 0.0
     if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:
         maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
+    cpu = jax.default_backend() == "cpu"
     mem = config.memory_bound_batch
     if mem is None:
-        mem = 1 if jax.default_backend() == "cpu" else 64
+        mem = 1 if cpu else 64
+    ride = config.ride_cost if config.ride_cost is not None else (CPU_RIDE_COST if cpu else 0.0)
     policy = "all" if ec.policy in ("all", "quorum") else "per_row"
 
     def predict(batch: int, counts: dict[int, int]) -> float:
         regime = "memory" if batch <= mem else "compute"
         ideal = exit_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
-                                       policy=policy, samples=128)
+                                       policy=policy, samples=128, ride=ride)
         return 1.0 / (1.0 / ideal + config.check_overhead)
 
     return predict
