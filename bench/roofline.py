@@ -253,11 +253,10 @@ KERNEL_PLATFORMS = ("tpu", "cuda")  # where the engine's attention is a Pallas k
 
 @dataclasses.dataclass
 class Measured:
-    """What `pieces` found at one batch: the composition's pieces, the first check, the
-    compiled full-depth step, and XLA's raw counts of the parts (for the breakdown)."""
+    """What `pieces` found at one batch: the composition's pieces, the compiled full-depth
+    step, and XLA's raw counts of the parts (for the breakdown)."""
 
     pieces: Pieces
-    first: Cost
     step: Cost | str  # the compiled full-depth step, or why it failed
     parts: dict[str, tuple[Cost, float]]  # name -> (XLA's count, hand bytes)
     copies: dict[str, float]  # piece -> bytes of its relayout copies (compiled only)
@@ -438,7 +437,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                    + 2 * B * cfg.n_kv_heads * kv_hd * it)}
     copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
               "later check": later_copies, "step": step_copies}
-    return Measured(Pieces(fixed, layer, later, fill, ride), first, compiled, parts, copies)
+    return Measured(Pieces(fixed, layer, later, fill, ride, first), compiled, parts, copies)
 
 
 def _mb(c: Cost | str) -> str:
@@ -486,17 +485,6 @@ def padding_bytes(target: aot.Target, B: int, W: int) -> dict[str, float]:
     out["floor"] = hl.kv_read
     out["padded"] = 2 * hl.kv_read
     return out
-
-
-def _step_cost(p: Pieces, first: Cost, e: int, L: int, checked, backfill: str,
-               pending: int | None = None) -> Cost:
-    """One step leaving at e (L: full depth without checks); deferred: the rows' previous
-    token pending at `pending`."""
-    if e >= L and backfill == "none":
-        return p.full_depth(L)
-    n = sum(1 for c in checked if c <= e)
-    extra = (first - p.check) if n else Cost(0.0, 0.0)
-    return p.exit_at(e, L, n, backfill, pending) + extra
 
 
 def cpu_peaks() -> dict[str, float]:
@@ -625,7 +613,7 @@ def main(argv=None) -> int:
                     parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {cp / 1e6:.2f} | "
                                        f"{hand / 1e6:.2f} | {c.bytes / hand:.2f}x |")
-                for name, c in (("first check", m.first), ("later check", m.pieces.check)):
+                for name, c in (("first check", m.pieces.first), ("later check", m.pieces.check)):
                     parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {m.copies[name] / 1e6:.2f} "
                                        f"| | |")
@@ -697,7 +685,7 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
     how = "compiled" if target.compiles else "lowered"
     out = []
     for B, m in rows.items():
-        p, first = m.pieces, m.first
+        p = m.pieces
         full = p.full_depth(L)
         t_full = seconds(full, chip.peak_flops, chip.hbm_bytes_per_s)
         bound = "memory" if full.bytes / chip.hbm_bytes_per_s >= \
@@ -707,21 +695,13 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
             return f"{t_full / seconds(c, chip.peak_flops, chip.hbm_bytes_per_s):.2f}x"
 
         def forced(e, bf):  # every token leaves at e (deferred: the pending one too)
-            return speed(_step_cost(p, first, e, L, checked, bf, e))
+            return speed(p.exit_at(e, L, sum(1 for c in checked if c <= e), bf, e))
 
         def hist(bf):
             if B != 1:
                 return "n/a"
-            parts = []
-            for h in SHIPPED.values():
-                sh = scaled_histogram(h, L)
-                tot = sum(sh.values())
-                c = Cost(0.0, 0.0)
-                pend = sh if bf == "deferred" else {None: tot}  # the previous token's
-                for e, n in sh.items():
-                    for q, w in pend.items():
-                        c = c + (n * w / tot ** 2) * _step_cost(p, first, e, L, checked, bf, q)
-                parts.append(speed(c))
+            parts = [speed(p.expected(scaled_histogram(h, L), L, checked, bf))
+                     for h in SHIPPED.values()]
             return " / ".join(parts)
 
         t_an = max(analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target)) / chip.hbm_bytes_per_s,

@@ -353,6 +353,10 @@ def test_roofline_composition():
     mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "deferred")
     want = want + (3 / 16) * 3 * p.ride
     assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
+    # a first check dearer than the later ones (it picks the candidates) is paid once
+    q = dataclasses.replace(p, first=Cost(4.0, 20.0))
+    assert q.exit_at(3, 4, 2, "propagate") == p.exit_at(3, 4, 2, "propagate") + Cost(3.0, 15.0)
+    assert q.full_depth(4) == p.full_depth(4)
     assert seconds(Cost(2e12, 1e9), 1e12, 1e12) == 2.0  # compute-bound
     assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound
     with pytest.raises(ValueError, match="back-fill"):

@@ -57,13 +57,14 @@ def seconds(cost: Cost, peak_flops: float, bytes_per_s: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """The compiled pieces of one batch bucket: fixed, one layer, one check, one layer's
-    back-fill (Cost each)."""
+    back-fill, deferred's second query in a layer, the first check (Cost each)."""
 
     fixed: Cost
     layer: Cost
-    check: Cost = ZERO
+    check: Cost = ZERO  # a later check
     fill: Cost = ZERO
     ride: Cost = ZERO
+    first: Cost | None = None  # the first check (it picks candidates); None: a later one's
 
     def full_depth(self, n_layers: int) -> Cost:
         return self.fixed + n_layers * self.layer
@@ -76,6 +77,8 @@ class Pieces:
         if backfill not in ("deferred", "propagate"):
             raise ValueError(f"unknown back-fill mode {backfill!r}: 'deferred' or 'propagate'")
         cost = self.fixed + e * self.layer + checks * self.check + (n_layers - e) * self.fill
+        if checks and self.first is not None:
+            cost = cost + (self.first - self.check)
         if backfill == "deferred" and pending is not None:
             cost = cost + max(0, e - pending) * self.ride
         return cost
