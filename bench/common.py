@@ -781,13 +781,36 @@ class StepTimes:
         return r[len(r) // 4], statistics.median(r), r[3 * len(r) // 4]
 
 
+def interleaved_rounds(calls: dict[str, Callable[[], Any]], rounds: int, steps: int = 3,
+                       seed: int = 0, collect: Callable[[str, list], None] | None = None
+                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The one interleaved timer: `rounds` rounds running every call `steps` times, in a
+    random order each round; (wall, process CPU) seconds per call, one figure per round.
+    A call's outputs are waited for (np.asarray) and handed to `collect`."""
+    import random
+
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(calls)
+        rng.shuffle(order)
+        for name in order:
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs = [calls[name]() for _ in range(steps)]
+            res = [np.asarray(o) for o in outs]  # waits for the device
+            wall[name].append((time.perf_counter() - t0) / steps)
+            cpu[name].append((time.process_time() - c0) / steps)
+            if collect is not None:
+                collect(name, res)
+    return wall, cpu
+
+
 def time_steps(cases: dict[str, StepCase], rounds: int, steps: int = 3,
                seed: int = 0) -> dict[str, StepTimes]:
     """The one step timer: each case's first call timed apart (it compiles), one more call
     (warm), then `rounds` rounds running every case `steps` times, in a random order each
-    round. Compile time never enters a per-step figure."""
-    import random
-
+    round (`interleaved_rounds`). Compile time never enters a per-step figure."""
     from ee_jax.serving.model_runner import unpack_results
 
     compile_s = {}
@@ -796,22 +819,14 @@ def time_steps(cases: dict[str, StepCase], rounds: int, steps: int = 3,
         np.asarray(c.runner.step(c.batch))
         compile_s[name] = time.perf_counter() - t
         np.asarray(c.runner.step(c.batch))
-    wall: dict[str, list[float]] = {k: [] for k in cases}
-    cpu: dict[str, list[float]] = {k: [] for k in cases}
     hist: dict[str, dict[int, int]] = {k: {} for k in cases}
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = list(cases)
-        rng.shuffle(order)
-        for name in order:
-            c = cases[name]
-            c0, t0 = time.process_time(), time.perf_counter()
-            outs = [c.runner.step(c.batch) for _ in range(steps)]
-            res = [np.asarray(o) for o in outs]  # waits for the device
-            wall[name].append((time.perf_counter() - t0) / steps)
-            cpu[name].append((time.process_time() - c0) / steps)
-            for r in res:
-                for e in unpack_results(r)[2][:, 0].tolist():
-                    hist[name][e] = hist[name].get(e, 0) + 1
+
+    def exits(name, res):
+        for r in res:
+            for e in unpack_results(r)[2][:, 0].tolist():
+                hist[name][e] = hist[name].get(e, 0) + 1
+
+    wall, cpu = interleaved_rounds({k: (lambda c=c: c.runner.step(c.batch))
+                                    for k, c in cases.items()}, rounds, steps, seed, exits)
     return {k: StepTimes(wall[k], cpu[k], compile_s[k], dict(sorted(hist[k].items())))
             for k in cases}

@@ -7,12 +7,13 @@ step with nothing pending and against propagate.
 
 Each variant is one jitted `step.model_step` on the shipped heads at threshold 1.0 (every
 check runs, no row leaves, so the new token runs all L layers and the pending token rides
-from its layer up), the cache donated, batch 1 at a context of --context keys. The
-baseline is full depth (`FullDepth`, the program `early_exit=False` serves), stated here.
-Rounds run every variant --steps times in a random order; the figure is the median over
-rounds. The extra ms of a pending token at layer E over "deferred, nothing pending", divided
-by the L - E layers it rides and by a full-depth layer's ms ((full depth ms) / (L + the
-head's layer-equivalents)), is `ControllerConfig.ride_cost` on this machine.
+from its layer up), the cache donated, batch 1 at a context of --context keys. The baseline
+is full depth (`FullDepth`, the program `early_exit=False` serves), stated here. Rounds run
+every variant --steps times in a random order (`bench.common.interleaved_rounds`, the timer
+`bench.step` uses); the figure is the median over rounds. The extra ms of a pending token at
+layer E over "deferred, nothing pending", divided by the L - E layers it rides and by a
+full-depth layer's ms ((full depth ms) / (L + the head's layer-equivalents)), is
+`ControllerConfig.ride_cost` on this machine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 
 import numpy as np
 
-from bench.common import cpu_model, head_layers, load_f32, log, num_cpus
+from bench.common import cpu_model, head_layers, interleaved_rounds, load_f32, log, num_cpus
 
 
 def main(argv=None) -> int:
@@ -73,20 +74,20 @@ def main(argv=None) -> int:
                 "deferred, nothing pending": program(deferred, None)}
     for e in args.pending:
         variants[f"deferred, pending at {e}"] = program(deferred, e)
-    for name, fn in variants.items():
+    state = {"cache": cache}  # donated to every call, the newest kept here
+
+    def call(fn):
+        def step():
+            out, state["cache"] = fn(state["cache"])
+            return out
+        return step
+
+    calls = {name: call(fn) for name, fn in variants.items()}
+    for name, step in calls.items():
         t = time.perf_counter()
-        out, cache = fn(cache)
-        out.block_until_ready()
+        np.asarray(step())
         log(f"{name}: first call {time.perf_counter() - t:.1f} s")
-    times = {k: [] for k in variants}
-    rng = np.random.default_rng(0)
-    for _ in range(args.rounds):
-        for name in rng.permutation(list(variants)):
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                out, cache = variants[name](cache)
-            out.block_until_ready()
-            times[name].append((time.perf_counter() - t) / args.steps)
+    times, _ = interleaved_rounds(calls, args.rounds, args.steps)
     med = {k: float(np.median(v)) for k, v in times.items()}
     L = cfg.n_layers
     layer_ms = med["full depth"] / (L + head_layers(cfg))
