@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if ec.measure != "candidates":
         raise SystemExit(f"measure {ec.measure!r}: this bench reads the candidate decision")
     L, E = cfg.n_layers, np.asarray(ec.exit_layers)
-    cm = exit_cost.cost_model(cfg, ec, completion=0.0)
+    cm = exit_cost.cost_model(cfg, ec)
     kv = exit_cost.kv_fraction(cfg)
     rank = heads["backfill"]["a"].shape[-1] if "backfill" in heads else 48
     maps = exit_cost.map_fraction(cfg, rank)

@@ -201,7 +201,7 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
     """The engine's prediction: batch, {row exit layer: rows} -> the exit program's speed-up
     over the full-depth program (`exit_cost.step_speedup` under `ec`'s back-fill and policy,
     the exit loop's `check_overhead` charged on top)."""
-    cm = exit_cost.cost_model(cfg, ec, completion=0.0)
+    cm = exit_cost.cost_model(cfg, ec)
     kv = exit_cost.kv_fraction(cfg)
     maps = 0.0
     if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:

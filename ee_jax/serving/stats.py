@@ -84,7 +84,7 @@ class EngineStats:
         batchwide = ec.policy in ("all", "quorum")
         counts = self.step_exit_counts if batchwide else self.row_exit_counts
         return step_speedup(
-            cost_model(cfg, ec, completion=0.0), counts, batch, ec.backfill,
+            cost_model(cfg, ec), counts, batch, ec.backfill,
             "memory" if batch <= memory_bound_batch else "compute", kv_fraction(cfg),
             map_fraction(cfg, maps_rank) if ec.backfill == "learned" else 0.0,
             policy="all" if batchwide else "per_row", samples=256)
