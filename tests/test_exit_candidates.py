@@ -152,7 +152,7 @@ def test_derived_leaves_are_checked_and_never_saved(tmp_path):
     with pytest.raises(ExitConfigError, match="candidate_dtype"):
         exit_heads.with_vocab_rows(PARAMS, heads, CFG, "int4")
     save_exit_heads(tmp_path / "h", CFG, ec, hv)  # serving heads saved: the derived leaves drop
-    saved = " ".join(os.listdir(tmp_path / "h" / "heads"))
+    saved = " ".join(os.listdir(tmp_path / "h"))
     ec2, back = load_exit_heads(tmp_path / "h", CFG)
     assert ec2 == ec and set(back) == set(heads), saved
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(heads), strict=True):

@@ -1,4 +1,7 @@
-"""Exit heads: confidence measures against closed forms, head math, and the orbax round trip."""
+"""Exit heads: confidence measures against closed forms, head math, and the round trip on disk."""
+
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models import exit_checkpoint, exit_checks, exit_heads, llama
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 from ee_jax.models.exit_config import ExitConfig, ExitConfigError
 from ee_jax.testing import tiny_model
@@ -57,7 +60,7 @@ def test_untrained_adapter_is_identity_and_classifier_is_half():
     np.testing.assert_allclose(np.asarray(exit_checks.classifier_confidence(heads, 0, h, CFG)), 0.5)
 
 
-def test_heads_round_trip_through_orbax(tmp_path):
+def test_heads_round_trip_through_safetensors(tmp_path):
     ec = ExitConfig(exit_layers=(1, 2), head="adapter", measure="classifier",
                     adapter_rank=8, threshold=0.8)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(1))
@@ -70,3 +73,47 @@ def test_heads_round_trip_through_orbax(tmp_path):
     other = CFG.replace(d_model=64, head_dim=16)
     with pytest.raises(ExitConfigError, match="made for a model"):
         load_exit_heads(tmp_path / "heads", other)
+    # a heads file that does not fit its exit_config.json: a clear error naming the leaf
+    import safetensors.numpy as stn
+    f = tmp_path / "heads" / exit_checkpoint.HEADS
+    leaves = stn.load_file(str(f))
+    stn.save_file(dict(leaves, norm=leaves["norm"][:1]), str(f))
+    with pytest.raises(ExitConfigError, match=r"'norm'.*shape"):
+        load_exit_heads(tmp_path / "heads", CFG)
+    stn.save_file({k: v for k, v in leaves.items() if k != "norm"}, str(f))
+    with pytest.raises(ExitConfigError, match="missing \\['norm'\\]"):
+        load_exit_heads(tmp_path / "heads", CFG)
+
+
+def test_heads_saved_by_orbax_before_still_load(tmp_path):
+    """Heads written as an orbax item (ee-jax before heads.safetensors) load unchanged."""
+    import orbax.checkpoint as ocp
+
+    ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4, threshold=0.8)
+    heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
+    save_exit_heads(tmp_path / "h", CFG, ec, heads)
+    (tmp_path / "h" / exit_checkpoint.HEADS).unlink()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "h" / exit_checkpoint.ORBAX_HEADS, heads)
+        ckptr.wait_until_finished()
+    ec2, restored = load_exit_heads(tmp_path / "h", CFG)
+    assert ec2 == ec
+    for a, b in zip(jax.tree.leaves(heads), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_serving_the_shipped_heads_imports_no_orbax():
+    """Loading the shipped heads (what `make run` does) leaves orbax unimported: its import
+    alone took 0.57 s of the main job."""
+    code = ("import sys\n"
+            "from ee_jax.models import exit_checkpoint, registry\n"
+            "from ee_jax.random_model import random_config\n"
+            "cfg = random_config(n_layers=30, d_model=576, vocab_size=49152, n_heads=9, "
+            "n_kv_heads=3, head_dim=64)\n"
+            "exit_checkpoint.load_exit_heads(registry.shipped_exit_heads("
+            "'smollm2-135m-instruct'), cfg)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('orbax')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

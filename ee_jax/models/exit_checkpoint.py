@@ -1,7 +1,9 @@
-"""Exit heads on disk: an orbax checkpoint of the heads tree plus the ExitConfig as JSON.
+"""Exit heads on disk: the heads tree in safetensors plus the ExitConfig as JSON.
 
     <folder>/exit_config.json   the ExitConfig and the model it was trained for
-    <folder>/heads/             orbax StandardCheckpointer item
+    <folder>/heads.safetensors  the heads' leaves, one tensor per path ("mlp.down", "norm")
+    <folder>/backfill_maps.safetensors
+                                (optional) learned back-fill maps (`backfill_maps`)
     <folder>/calibration.json   (optional) errors per threshold on a held-apart split, so a
                                 threshold can be picked for any target agreement at load
                                 (`ee_jax.models.exit_threshold`)
@@ -15,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import ModelLoadError
@@ -25,6 +28,10 @@ from ee_jax.models.exit_threshold import check_target, exit_prior, threshold_fro
 
 CONFIG = "exit_config.json"
 CALIBRATION = "calibration.json"
+HEADS = "heads.safetensors"
+# Heads saved before safetensors: an orbax StandardCheckpointer item, still read (orbax is
+# imported only then; serving the shipped heads imports no orbax, which costs 0.6 s).
+ORBAX_HEADS = "heads"
 
 
 def _model_id(cfg: ModelConfig) -> dict:
@@ -36,8 +43,6 @@ def save_exit_heads(path, cfg: ModelConfig, ec: ExitConfig, heads, *,
                     maps_info: dict | None = None) -> Path:
     """Write heads (and, under heads["backfill"], learned back-fill maps with `maps_info`:
     how they were fitted) and the ExitConfig to folder `path`."""
-    import orbax.checkpoint as ocp
-
     maps = heads.get(exit_heads.BACKFILL_MAPS) if isinstance(heads, dict) else None
     exit_heads.check_heads(cfg, ec, heads)
     heads = exit_heads.without_derived(heads)  # LM-head rows held for serving are not saved
@@ -47,9 +52,7 @@ def save_exit_heads(path, cfg: ModelConfig, ec: ExitConfig, heads, *,
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "heads", heads)
-        ckptr.wait_until_finished()
+    write_heads(path, heads)
     meta = {"exit_config": dataclasses.asdict(ec), "model": _model_id(cfg)}
     if maps is not None:  # learned back-fill maps: their own file, recorded here
         backfill_maps.save_maps(path, cfg, ec.exit_layers, maps, info=maps_info)
@@ -66,8 +69,6 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
     """Restore heads for `cfg`; fails clearly if they were made for another model, or for
     other exit layers than `exit_layers` (when the caller asks for specific ones). With
     `target_agreement`, the threshold is re-picked from the shipped calibration table."""
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
     if not (path / CONFIG).is_file():
         raise ModelLoadError(f"{path} holds no exit heads ({CONFIG} missing); save them with "
@@ -95,15 +96,62 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
         cal = json.loads((path / CALIBRATION).read_text())
         thr = threshold_from_json(cal, target_agreement)
         ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
-    target = exit_heads.head_shapes(cfg, ec)
-    with ocp.StandardCheckpointer() as ckptr:
-        heads = ckptr.restore(path / "heads", target)
+    heads = read_heads(path, exit_heads.head_shapes(cfg, ec))
     if (path / backfill_maps.FILE).is_file():  # fitted maps ship beside the heads
         heads[exit_heads.BACKFILL_MAPS] = backfill_maps.load_maps(path, cfg, ec.exit_layers)[0]
     exit_heads.check_heads(cfg, ec, heads)
     if "vocab" in heads:
         exit_heads.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
     return ec, jax.tree.map(lambda a: a, heads)
+
+
+def _key(path) -> str:
+    return ".".join(str(k.key) for k in path)
+
+
+def write_heads(folder: Path, heads) -> Path:
+    """The heads' leaves to folder/HEADS, keyed by their tree path, in their own dtypes."""
+    import safetensors.numpy as st
+
+    tensors = {_key(p): np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(heads)}
+    file = Path(folder) / HEADS
+    st.save_file(tensors, str(file))
+    return file
+
+
+def read_heads(folder: Path, target) -> dict:
+    """Heads shaped like `target` (`exit_heads.head_shapes`) from folder/HEADS, or from an
+    orbax item folder/ORBAX_HEADS written before; a clear error naming a missing, extra or
+    misshapen leaf."""
+    file = Path(folder) / HEADS
+    if not file.is_file():
+        if (Path(folder) / ORBAX_HEADS).is_dir():
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ckptr:
+                return ckptr.restore(Path(folder) / ORBAX_HEADS, target)
+        raise ModelLoadError(f"{folder} holds no exit heads ({HEADS} missing); save them with "
+                             f"ee_jax.models.exit_checkpoint.save_exit_heads")
+    import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)
+    from safetensors import safe_open
+
+    with safe_open(str(file), "numpy") as f:
+        stored = set(f.keys())
+        want = {_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(target)}
+        if stored != set(want):
+            raise ExitConfigError(
+                f"exit heads in {file} hold leaves {sorted(stored)}, but {CONFIG} needs "
+                f"{sorted(want)}: missing {sorted(set(want) - stored)}, extra "
+                f"{sorted(stored - set(want))}; save heads and config together "
+                f"(save_exit_heads)")
+        leaves = {}
+        for k, s in want.items():
+            a = f.get_tensor(k)
+            if a.shape != s.shape:
+                raise ExitConfigError(f"exit head leaf {k!r} in {file} has shape {a.shape}, "
+                                      f"but {CONFIG} needs {s.shape}")
+            leaves[k] = jnp.asarray(a, s.dtype)
+    return jax.tree_util.tree_map_with_path(lambda p, _: leaves[_key(p)], target)
 
 
 def load_exit_prior(path, cfg: ModelConfig, ec: ExitConfig) -> tuple[tuple[int, float], ...]:
