@@ -48,6 +48,7 @@ from bench.common import (
     serve,
     write_marked,
 )
+from ee_jax.models.exit_config import BACKFILLS
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-runs", nargs="+", default=["1:all", "8:per_row"],
                    help="batch:policy (batch 8 uses 2 x 8 prompts)")
     p.add_argument("--backfills", nargs="*", default=["deferred", "propagate", "learned"],
-                   choices=["deferred", "propagate", "learned"],
+                   choices=BACKFILLS,
                    help="back-fills timed side by side (learned needs fitted maps); none: "
                    "only the engine as shipped (`default (auto)`) against full depth")
     p.add_argument("--threshold", type=float, default=None,

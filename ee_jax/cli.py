@@ -554,10 +554,11 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
-    e.add_argument("--backfill", choices=["deferred", "propagate", "learned"], default=None,
+    e.add_argument("--backfill", choices=BACKFILLS, default=None,
                    help="what a skipped layer's keys/values hold (default: the heads' own): "
                    "learned (fitted maps, shipped with the heads) saves the layers at near "
-                   "deferred's fidelity; see docs/early_exit.md")
+                   "deferred's fidelity; deferred_learned completes exactly what the next "
+                   "step runs anyway and uses the maps for the rest; see docs/early_exit.md")
     e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
                    help="auto (default): per batch size, run the exit program only where the "
                    "cost model says its checks pay, else full depth; exits: always the exit "

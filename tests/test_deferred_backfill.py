@@ -9,6 +9,10 @@ checked against the dense full-depth forward of prompt + [a, b] (an independent 
 * b left at e_b too: a's K/V are full depth's below max(e_a, e_b) and propagated from its
   dense state after max(e_a, e_b) layers above; b's are full depth's below e_b and
   propagated from its dense state at e_b above; b's logits are its exit head's.
+
+Back-fill "deferred_learned" is the same, with the propagated K/V above the first skipped
+layer corrected by the fitted map of the exit they are propagated from (computed here in
+numpy from the maps' definition, `ee_jax.models.backfill_maps`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exit_heads, llama
+from ee_jax.models import backfill_maps, exit_heads, llama
 from ee_jax.models.exit_config import NEVER, ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
@@ -50,12 +54,38 @@ def _heads(ec):
                             "b": jnp.asarray(b, jnp.float32)})
 
 
-def _ec(policy):
+def _ec(policy, backfill="deferred"):
     return ExitConfig(exit_layers=EXIT_LAYERS, measure="classifier", policy=policy,
-                      backfill="deferred")
+                      backfill=backfill)
 
 
-HEADS = _heads(_ec("per_row"))
+def _maps(rank=2):
+    """Random maps, zero where the format holds zero (a map's exit layer and below)."""
+    shapes = backfill_maps.map_shapes(CFG, EXIT_LAYERS, rank)
+    rng = np.random.default_rng(5)
+    maps = {k: 0.3 * rng.standard_normal(s.shape).astype(np.float32) for k, s in shapes.items()}
+    for s_, e in enumerate(EXIT_LAYERS):
+        for j in range(e + 1 - EXIT_LAYERS[0]):
+            maps["a"][s_, j] = 0.0
+    return maps
+
+
+MAPS = _maps()
+HEADS = dict(_heads(_ec("per_row")), backfill=jax.tree.map(jnp.asarray, MAPS))
+BACKFILLS = ("deferred", "deferred_learned")
+
+
+def _correction(h, e, j, pos):
+    """The map's (dk with RoPE, dv) [K, hd] for a token whose state after e layers is h,
+    in skipped layer j, straight from the definition: n = [h / rms(h), 1], n @ a @ b."""
+    n = np.append(h / np.sqrt(np.mean(h * h) + CFG.rms_eps), 1.0)
+    s, jj = EXIT_LAYERS.index(e), j - EXIT_LAYERS[0]
+    c = n @ MAPS["a"][s, jj] @ MAPS["b"][s, jj]
+    kv = CFG.n_kv_heads * CFG.head_dim
+    dk = c[:kv].reshape(CFG.n_kv_heads, CFG.head_dim)
+    rope = llama.apply_rope(jnp.asarray(dk)[None, None], jnp.asarray([[pos]]),
+                            llama.rope_inv_freq(CFG))
+    return np.asarray(rope)[0, 0], c[kv:].reshape(CFG.n_kv_heads, CFG.head_dim)
 
 
 @jax.jit
@@ -93,8 +123,9 @@ def case():
                                                      for p in (n, n + 1)}))
 
     steps = {}
-    for policy in ("per_row", "all"):
-        pol = PerRow(_ec(policy)) if policy == "per_row" else BatchExit(_ec(policy))
+    for policy, backfill in ((p, b) for p in ("per_row", "all") for b in BACKFILLS):
+        ec = _ec(policy, backfill)
+        pol = PerRow(ec) if policy == "per_row" else BatchExit(ec)
 
         def two_steps(cache, meta_a, meta_b, tokens_a, tokens_b, thr_a, thr_b, pol=pol):
             ra, cache = model_step(PARAMS, HEADS, cache, tokens_a, meta_a, thr_a, CFG, pol)
@@ -102,7 +133,7 @@ def case():
                                    pending=ra.pending)
             return ra.exit_layer, rb.exit_layer, rb.logits, cache
 
-        steps[policy] = jax.jit(two_steps)
+        steps[policy, backfill] = jax.jit(two_steps)
     return dict(k0=k0, v0=v0, refs=refs, steps=steps)
 
 
@@ -111,10 +142,10 @@ def _first(t):
 
 
 @settings(max_examples=40, deadline=None)
-@given(policy=st.sampled_from(["per_row", "all"]),
+@given(policy=st.sampled_from(["per_row", "all"]), backfill=st.sampled_from(BACKFILLS),
        thr=st.lists(st.tuples(st.sampled_from(GRID), st.sampled_from(GRID)),
                     min_size=len(ROWS), max_size=len(ROWS)))
-def test_next_step_completes_the_skipped_layers(case, policy, thr):
+def test_next_step_completes_the_skipped_layers(case, policy, backfill, thr):
     B, W = len(ROWS), 3
     table = np.full((B, W), NULL_PAGE, np.int32)
     for r, (_, pages, _, _) in enumerate(ROWS):
@@ -129,8 +160,8 @@ def test_next_step_completes_the_skipped_layers(case, policy, thr):
     ta = jnp.asarray([t[0] for t in thr], jnp.float32)
     tb = jnp.asarray([t[1] for t in thr], jnp.float32)
     cache = KVCache(jnp.asarray(case["k0"]), jnp.asarray(case["v0"]))
-    ea, eb, logits, cache = case["steps"][policy](cache, meta(0), meta(1), tok(0), tok(1), ta,
-                                                  tb)
+    ea, eb, logits, cache = case["steps"][policy, backfill](cache, meta(0), meta(1), tok(0),
+                                                            tok(1), ta, tb)
     want_a = [_first(t[0]) for t in thr]
     want_b = [_first(t[1]) for t in thr]
     if policy == "all":
@@ -146,6 +177,9 @@ def test_next_step_completes_the_skipped_layers(case, policy, thr):
             page, off = _slot(pages, q)
             for j in range(L):
                 k, v = ref["full"][q][j] if j < top else _kv(LAYERS[j], hid[top - 1, q], q)
+                if backfill == "deferred_learned" and top < j:
+                    dk, dv = _correction(hid[top - 1, q], top, j, q)
+                    k, v = np.asarray(k) + dk, np.asarray(v) + dv
                 np.testing.assert_allclose(k1[j, page, off], k, atol=1e-4, rtol=1e-4,
                                            err_msg=f"K row {r} pos {q} layer {j} {e_a}/{e_b}")
                 np.testing.assert_allclose(v1[j, page, off], v, atol=1e-4, rtol=1e-4,

@@ -231,7 +231,7 @@ def _heads(ec, maps):
     return dict(exit_heads.init_heads(CFG, ec, PARAMS), backfill=maps)
 
 
-@pytest.mark.parametrize("backfill", ["deferred", "propagate", "learned"])
+@pytest.mark.parametrize("backfill", ["deferred", "propagate", "learned", "deferred_learned"])
 def test_exits_never_taken_give_full_depth_tokens(backfill):
     from ee_jax.models.exit_config import NEVER, ExitConfig
     from ee_jax.serving.params import greedy

@@ -22,12 +22,25 @@ from ee_jax.models.config import ModelConfig
 HeadType = Literal["norm", "adapter", "mlp"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
-Backfill = Literal["propagate", "deferred", "learned"]
+Backfill = Literal["propagate", "deferred", "learned", "deferred_learned"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp")
 POLICIES = ("all", "quorum", "never", "per_row")
-BACKFILLS = ("propagate", "deferred", "learned")
+BACKFILLS = ("propagate", "deferred", "learned", "deferred_learned")
+
+
+def rides_along(backfill: str) -> bool:
+    """Whether a token that left early rides along in its row's next decode step (a second
+    query completing the layers that step runs anyway)."""
+    return backfill in ("deferred", "deferred_learned")
+
+
+def uses_maps(backfill: str) -> bool:
+    """Whether the K/V of skipped layers nobody runs are corrected by the fitted maps
+    (`ee_jax.models.backfill_maps`, heads["backfill"])."""
+    return backfill in ("learned", "deferred_learned")
+
 # The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
 # calibrated under: each row leaves at its own first confident exit. Under "all" a batch waits
 # for its least confident row, so at a faithful threshold it almost never leaves (the CLI
@@ -80,9 +93,12 @@ class ExitConfig:
     3-12x more agreement with full depth (docs/benchmarks.md). "learned": propagate's cost
     (the skipped layers are never run) with fitted maps correcting the projected K/V towards
     full depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
-    All three run only the layers the step's new tokens run (DESIGN section 5); deferred
-    adds its second query's arithmetic in them (free where decode is memory-bound, paid per
-    row where it is compute-bound).
+    "deferred_learned": deferred's exact ride-along where the next step runs the layers, the
+    learned K/V (not the projected ones) for the layers it does not: deferred's cost with
+    agreement at least deferred's (on accelerators, where the second query rides on weights
+    read anyway, propagate's cost). All four run only the layers the step's new tokens run
+    (DESIGN section 5); the deferred two add their second query's arithmetic in them (free
+    where decode is memory-bound, paid per row where it is compute-bound).
     """
 
     exit_layers: tuple[int, ...] = ()

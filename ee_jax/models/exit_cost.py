@@ -45,6 +45,8 @@ from ee_jax.models.exit_config import (
     VOCAB_MEASURES,
     ExitConfig,
     ExitConfigError,
+    rides_along,
+    uses_maps,
 )
 
 Regime = Literal["memory", "compute"]
@@ -118,7 +120,7 @@ def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float = 0.0) -> Cos
         checks = tuple(0.0 for _ in ec.exit_layers)
     return CostModel(cfg.n_layers, ec.exit_layers, (D + cfg.vocab_size * D) / lay,
                      (hidden + vocab * D) / lay, checks,
-                     completion if ec.enabled and ec.backfill == "deferred" else 0.0)
+                     completion if ec.enabled and rides_along(ec.backfill) else 0.0)
 
 
 def ideal_speedup_with_head(cfg: ModelConfig, ec: ExitConfig, exit_counts,
@@ -163,9 +165,9 @@ def step_cost(cm: CostModel, exit_layers: Sequence[int], pending: Sequence[int] 
     ex = [int(e) for e in exit_layers]
     if not ex:
         return 0.0
-    pend = [L] * len(ex) if pending is None or backfill != "deferred" else [int(p) for p in
-                                                                             pending]
-    fill = kv + (maps if backfill == "learned" else 0.0)  # per skipped layer
+    pend = ([L] * len(ex) if pending is None or not rides_along(backfill)
+            else [int(p) for p in pending])
+    fill = kv + (maps if uses_maps(backfill) else 0.0)  # per skipped layer
     if regime == "compute":
         # deferred: the second query runs for every running row from the lowest pending
         # layer up (L: none); a token left at e above its row's pending one refills it

@@ -28,7 +28,13 @@ import numpy as np
 
 from ee_jax.models import backfill_maps, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import DECISION_HIDDEN, N_FEATURES, ExitConfig, ExitConfigError
+from ee_jax.models.exit_config import (
+    DECISION_HIDDEN,
+    N_FEATURES,
+    ExitConfig,
+    ExitConfigError,
+    uses_maps,
+)
 from ee_jax.models.quant import out_major_matmul
 
 MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
@@ -190,7 +196,7 @@ def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
     if isinstance(heads, dict) and BACKFILL_MAPS in heads:
         backfill_maps.check_maps(cfg, ec.exit_layers, heads[BACKFILL_MAPS])
         heads = {k: v for k, v in heads.items() if k != BACKFILL_MAPS}
-    elif ec.backfill == "learned":
+    elif uses_maps(ec.backfill):
         raise ExitConfigError("back-fill 'learned' needs fitted maps beside the heads "
                               "(heads['backfill'], saved as backfill_maps.safetensors by ee-jax "
                               "tune): fit them, or serve back-fill 'propagate' or 'deferred'")

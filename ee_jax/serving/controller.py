@@ -27,7 +27,7 @@ import jax
 from ee_jax.errors import EEJaxError
 from ee_jax.models import backfill_maps, exit_cost
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_config import ExitConfig, uses_maps
 
 Mode = Literal["auto", "exits", "full"]
 MODES = ("auto", "exits", "full")
@@ -204,7 +204,7 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
     cm = exit_cost.cost_model(cfg, ec)
     kv = exit_cost.kv_fraction(cfg)
     maps = 0.0
-    if ec.backfill == "learned" and isinstance(heads, dict) and "backfill" in heads:
+    if uses_maps(ec.backfill) and isinstance(heads, dict) and "backfill" in heads:
         maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
     cpu = jax.default_backend() == "cpu"
     mem = config.memory_bound_batch

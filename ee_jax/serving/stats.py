@@ -13,7 +13,7 @@ import copy
 import dataclasses
 
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_config import ExitConfig, uses_maps
 from ee_jax.models.exit_cost import (
     cost_model,
     kv_fraction,
@@ -86,7 +86,7 @@ class EngineStats:
         return step_speedup(
             cost_model(cfg, ec), counts, batch, ec.backfill,
             "memory" if batch <= memory_bound_batch else "compute", kv_fraction(cfg),
-            map_fraction(cfg, maps_rank) if ec.backfill == "learned" else 0.0,
+            map_fraction(cfg, maps_rank) if uses_maps(ec.backfill) else 0.0,
             policy="all" if batchwide else "per_row", samples=256)
 
     def snapshot(self) -> EngineStats:

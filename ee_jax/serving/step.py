@@ -61,7 +61,7 @@ import numpy as np
 
 from ee_jax.models import exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_config import ExitConfig, rides_along, uses_maps
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import KVCache
@@ -283,7 +283,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                  policy: BatchExit | PerRow, attention: str, pending: Pending | None):
     ec = policy.ec
     L, B = cfg.n_layers, tokens.shape[0]
-    deferred = ec.backfill == "deferred"
+    deferred = rides_along(ec.backfill)
     if pending is None or not deferred:
         pending = Pending.none(B, cfg)
     sizes = policy.stages(B)
@@ -423,10 +423,12 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                           keep_logits)
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
     first = ec.first_exit or 0
+    # back-fill "learned" / "deferred_learned": each row's fitted maps for its exit (table: -1
+    # at L and 0); under "deferred_learned" both the row's token and its pending one are
+    # filled from their states at the row's exit, so one slot a row serves both
+    learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0])
+               if uses_maps(ec.backfill) else None)
     if not deferred:
-        # back-fill "learned": each row's fitted maps for its exit (table: -1 at L and 0)
-        learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0])
-                   if ec.backfill == "learned" else None)
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
                          any_exit=jnp.any(left), learned=learned)
         return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks,
@@ -434,13 +436,14 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # The pending token ran every layer its row ran above its own progress: complete if the
     # row ran to L. If the row left early at e above that progress, the row's own token
     # becomes the pending one and the older token's layers >= e get K/V propagated from its
-    # state at e (its deepest), overwriting those propagated from where it left.
+    # state at e (its deepest), overwriting those propagated from where it left (with the
+    # learned correction under "deferred_learned").
     old = jnp.zeros((B,), jnp.int32).at[s.perm].set(s.pend)  # original row order
     h_old = jnp.zeros_like(h_exit).at[s.perm].set(s.x[:, 0])
     refill = left & (exit_layer > old)
     n_done = jnp.stack([jnp.where(refill, exit_layer, L), n_done], axis=1)  # [B, 2]
     cache = backfill(params, cache, jnp.stack([h_old, h_exit], axis=1), n_done, meta, cfg,
-                     first, any_exit=jnp.any(left))
+                     first, any_exit=jnp.any(left), learned=learned)
     return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
                       pending=Pending(h_exit, jnp.where(left, exit_layer, L))), cache
 

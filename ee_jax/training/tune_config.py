@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models.exit_config import BACKFILLS, ExitConfig
+from ee_jax.models.exit_config import BACKFILLS, ExitConfig, uses_maps
 from ee_jax.training.losses import LossWeights
 
 
@@ -100,7 +100,7 @@ class TuneConfig:
             raise TuneConfigError(f"backfill_rank must be >= 0, backfill_tokens > 0 and "
                                   f"backfill_ridge >= 0, got {self.backfill_rank}, "
                                   f"{self.backfill_tokens}, {self.backfill_ridge}")
-        if self.backfill == "learned" and not self.backfill_rank:
+        if uses_maps(self.backfill) and not self.backfill_rank:
             raise TuneConfigError("backfill 'learned' needs fitted maps: set backfill_rank > 0")
         if self.backfill not in BACKFILLS:
             raise TuneConfigError(f"backfill must be one of {BACKFILLS}, got "
