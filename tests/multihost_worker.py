@@ -19,6 +19,10 @@ die_after = int(sys.argv[4]) if len(sys.argv) > 4 else None
 distributed.initialize(distributed.DistributedConfig(
     coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid,
     local_cpu_devices=8 // n, heartbeat_timeout_s=5))
+if os.environ.get("EE_JAX_TEST_XLA_CACHE"):  # the test's own folder: the second test loads
+    from ee_jax.serving.compilation import enable_compilation_cache  # what the first compiled
+
+    enable_compilation_cache(os.environ["EE_JAX_TEST_XLA_CACHE"])
 
 import jax  # noqa: E402
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.exit_config import NEVER, POLICIES, ExitConfig, ExitConfigError, every
+from ee_jax.models.exit_config import NEVER, POLICIES, ExitConfig, ExitConfigError
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
@@ -644,28 +644,6 @@ def test_heads_with_wrong_shapes():
 
 
 # --------------------------------------------------------------------------- real model
-
-
-@pytest.mark.real_model
-@pytest.mark.slow
-def test_smollm2_policy_never_equals_full_depth(smollm2):
-    cfg, tok = smollm2.config, smollm2.tokenizer
-    chats = [[{"role": "user", "content": "What is the capital of France?"}],
-             [{"role": "system", "content": "You are a concise assistant."},
-              {"role": "user", "content": "Write a Python function that reverses a string."}],
-             [{"role": "user", "content": "Hi"}]]
-    prompts = [tok.encode(tok.apply_chat_template(c)) for c in chats]
-    assert len({len(p) for p in prompts}) == 3
-    ec = ExitConfig(exit_layers=every(cfg.n_layers, 4), policy="never")
-    outs = {}
-    for name, exit_config in (("full", None), ("never", ec)):
-        engine = LLMEngine(cfg, smollm2.params, tok,
-                           EngineConfig(max_num_seqs=4, max_model_len=256, page_size=16,
-                                        max_prefill_chunk=128, batch_buckets=(4,)),
-                           exit_config)
-        outs[name] = run(engine, prompts, greedy(16))
-    assert [o.token_ids for o in outs["never"]] == [o.token_ids for o in outs["full"]]
-    assert all(o.exit_layers == [cfg.n_layers] * len(o.token_ids) for o in outs["never"])
 
 
 def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_path):

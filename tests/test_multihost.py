@@ -23,28 +23,36 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_worker.py"
 
 
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for this module's worker processes: they build the
+    same programs, so whichever test runs second loads them (each test passes alone too)."""
+    return str(tmp_path_factory.mktemp("multihost_xla_cache"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start(port: int, pid: int, *extra: str) -> subprocess.Popen:
+def _start(port: int, pid: int, cache: str, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
+    env["EE_JAX_TEST_XLA_CACHE"] = cache
     return subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), "2", str(pid),
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
-def test_two_processes_give_one_process_tokens():
+def test_two_processes_give_one_process_tokens(xla_cache):
     cfg, params = MODEL
     ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
     one = LLMEngine(cfg, params, None, EngineConfig(**CONFIG), exit_config=ec)
     want = [o.token_ids for o in run_requests(one, PROMPTS, greedy(NEW))]
     port = _free_port()
-    procs = [_start(port, pid) for pid in (0, 1)]
+    procs = [_start(port, pid, xla_cache) for pid in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -54,10 +62,11 @@ def test_two_processes_give_one_process_tokens():
 
 
 @pytest.mark.slow
-def test_a_dead_process_ends_the_other_with_a_clear_error():
+def test_a_dead_process_ends_the_other_with_a_clear_error(xla_cache):
     port = _free_port()
     t0 = time.monotonic()
-    procs = [_start(port, 0), _start(port, 1, "3")]  # the follower dies after 3 steps
+    # the follower dies after 3 steps
+    procs = [_start(port, 0, xla_cache), _start(port, 1, xla_cache, "3")]
     _out, err = procs[0].communicate(timeout=240)
     procs[1].wait(timeout=60)
     assert procs[1].returncode == 3
