@@ -292,24 +292,31 @@ def test_tpu_default_layouts_copy_the_embedding_and_checks_do_not():
 
 
 @needs_libtpu
-def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
+@pytest.mark.parametrize("attention", ["pallas_tpu", "xla"])
+def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(attention):
     """The engine's own TPU runner (`aot.Plan.runner`, as `ee-jax compile` builds it; the
     engine passes the same `layout_shape`) holds its weights, heads and pool in the layouts
-    its largest decode step picks (`layouts.pick`: Layout.AUTO, then settled): its decode
+    its largest decode step picks (`layouts.pick`: Layout.AUTO, then settled; a head-major
+    pool, the Pallas kernel's, pinned to the default layout the kernel reads): its decode
     steps at the smallest and largest batch, with and without the checks, copy no weight,
     table or pool (batch 1 would copy the pool in and out if its one-token K/V write were a
-    dynamic-update-slice: `kv_cache.write_slots`). The same runner in XLA's default layouts
-    copies the embedding whole at the largest batch (what the pick removes)."""
+    dynamic-update-slice; a head-major pool would be relaid out around every write if the
+    kv head were a window of the scatter: `kv_cache.write_slots`). The same runner in XLA's
+    default layouts copies the embedding whole at the largest batch (what the pick
+    removes)."""
     from ee_jax.models import exit_heads
     from ee_jax.serving.kv_cache import KVCache, cache_shape
     from ee_jax.serving.model_runner import ModelRunner
 
     target = aot.parse_target("tpu:v5e")
     config = EngineConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64,
-                          max_prefill_chunk=32, attention="xla")
-    plan = aot.Plan.make(NARROW, target, config, NARROW_EC, kinds=("decode",))
+                          max_prefill_chunk=32, attention=attention)
+    # three kv heads, as SmolLM2's: with one, a [K, hd] window is as good as a row
+    cfg = NARROW if attention == "xla" else dataclasses.replace(NARROW, n_kv_heads=3)
+    plan = aot.Plan.make(cfg, target, config, NARROW_EC, kinds=("decode",))
     runner = plan.runner(NARROW_EC)
     assert runner.program.config.cache_format is not None
+    assert runner.cache.head_major == (attention == "pallas_tpu")
     decode = sorted(plan.shapes, key=lambda s: (s.batch, s.pages))
 
     def big_copies(r, shape, exits):
@@ -319,6 +326,8 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take():
     for shape in (decode[0], decode[-1]):
         for exits in (True, False):
             assert big_copies(runner, shape, exits) == [], (shape, exits)
+    if attention != "xla":
+        return
     kv = jax.ShapeDtypeStruct(cache_shape(NARROW, plan.num_pages, plan.page_size, "tpu"),
                               NARROW.jnp_dtype)
     plain = ModelRunner(NARROW, aot.abstract_params(NARROW), KVCache(kv, kv), NARROW_EC,

@@ -37,7 +37,13 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving import attention_kernels, compilation
 from ee_jax.serving.engine import EngineConfig, num_pages_for
-from ee_jax.serving.kv_cache import KVCache, bytes_per_page, cache_shape, storage_dtype
+from ee_jax.serving.kv_cache import (
+    KVCache,
+    bytes_per_page,
+    cache_shape,
+    head_major_for,
+    storage_dtype,
+)
 from ee_jax.serving.model_runner import ModelRunner, StepShape, layout_shape
 from ee_jax.serving.sharding import MeshSpec, cache_sharding
 
@@ -290,6 +296,9 @@ class Plan:
     attention: str
     mesh_spec: MeshSpec
     max_batch: int
+    # the pool's layout: None, the engine's rule (head-major where a Pallas kernel reads it,
+    # `kv_cache.head_major_for`); False forces layer-major (bench/kv_layout.py compares)
+    head_major: bool | None = None
 
     @classmethod
     def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
@@ -330,8 +339,11 @@ class Plan:
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         platform = "gpu" if self.target.platform == "cuda" else self.target.platform
         kv = storage_dtype(cfg.dtype, platform)
-        shape = cache_shape(cfg, self.num_pages, self.page_size, platform)
-        cache = KVCache(jax.ShapeDtypeStruct(shape, kv), jax.ShapeDtypeStruct(shape, kv))
+        head_major = mesh is None and head_major_for(self.attention) and \
+            self.head_major is not False  # as the engine's
+        shape = cache_shape(cfg, self.num_pages, self.page_size, platform, head_major)
+        cache = KVCache(jax.ShapeDtypeStruct(shape, kv), jax.ShapeDtypeStruct(shape, kv),
+                        head_major)
         if mesh is not None:
             cs = cache_sharding(cfg, mesh)  # one sharding, k and v alike
             cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cs),

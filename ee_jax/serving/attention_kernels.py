@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ee_jax.serving.attention import AttentionMetadata, Backend, paged_attention
-from ee_jax.serving.kv_cache import NULL_PAGE, TPU_LANES, KVCache
+from ee_jax.serving.kv_cache import NULL_PAGE, TPU_LANES, KVCache, kernel_pages, take_pages
 
 # Masked scores: finite, so that exp(m_old - m_new) of a row that has seen no key yet is
 # exp(0) or 0, never NaN (inf - inf).
@@ -63,7 +63,7 @@ def _check(q: jax.Array, cache: KVCache, meta: AttentionMetadata) -> tuple[int, 
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, head_dim], got shape {q.shape}")
     B, T, H, hd = q.shape
-    K, hd_c = cache.k.shape[3:]
+    K, hd_c = cache.kv_heads, cache.head_dim
     if hd != hd_c or H % K:
         raise ValueError(f"q {q.shape} does not fit the cache {cache.k.shape}: need the same "
                          "head_dim and n_heads a multiple of the cache's kv heads")
@@ -170,11 +170,7 @@ def _flash(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *, scal
     if n_static * C != W:
         table = jnp.pad(table, ((0, 0), (0, n_static * C - W)), constant_values=NULL_PAGE)
 
-    # Pages as rows of one [L*P, S*K*hd] matrix (a free reshape): a row gather, which XLA's
-    # CPU backend runs about 3x faster than the 5-d gather `cache.k[layer, pages]`.
-    L, P = cache.k.shape[:2]
-    k_rows = cache.k.reshape(L * P, S * K * hd)
-    v_rows = cache.v.reshape(L * P, S * K * hd)
+    P = cache.num_pages
     qh = jnp.moveaxis(q.reshape(B, T, K, G, hd), 2, 1).reshape(B, K, R, hd)  # [B, K, R, hd]
     q_pos = jnp.repeat(meta.positions, G, axis=1)  # [B, R]
     kv_lens = meta.kv_lens
@@ -190,8 +186,7 @@ def _flash(q: jax.Array, cache: KVCache, layer, meta: AttentionMetadata, *, scal
     def body(c, carry):
         m, l, acc = carry  # [B, K, R], [B, K, R], [B, K, R, hd], f32
         rows = jax.lax.dynamic_slice_in_dim(table, c * C, C, axis=1) + layer * P  # [B, C]
-        kc = jnp.take(k_rows, rows, axis=0, mode="clip").reshape(B, C * S, K, hd)
-        vc = jnp.take(v_rows, rows, axis=0, mode="clip").reshape(B, C * S, K, hd)
+        kc, vc = take_pages(cache, rows)  # [B, C*S, K, hd] each
         s = _scores(qh, kc) * scale  # [B, K, R, C*S]
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
@@ -227,14 +222,16 @@ def layer_pages(cache: KVCache, layer, page_table: jax.Array
     """The pages of `layer` the batch can read, in the kernels' layout, and a table into them:
     k, v [K, P', S, hd], table [B, W].
 
-    Our cache is [L, P, S, K, hd]; the kernels want the kv head in front, so the wrappers pay
-    one copy per layer per step, of whichever is smaller (a static choice): the batch's B*W
-    table entries (gathered; the table becomes 0..B*W-1) or the layer's whole pool of P pages
-    (sliced). Either way it is O(min(B*W, P) * S * K * hd) bytes written and read again by the
-    kernel. A [L, K, P, S, hd] cache would make the whole-pool case a contiguous slice, but
-    XLA still copies a dynamic slice into a custom call's operand; only a kernel that takes
-    the stacked cache and the layer index (scalar prefetch) avoids the copy.
+    A head-major pool (the engine's where a kernel reads it) is that layout already, all
+    layers at once: no copy (`kv_cache.kernel_pages`). A layer-major one [L, P, S, K, hd]
+    costs one copy per layer per step, of whichever is smaller (a static choice): the
+    batch's B*W table entries (gathered; the table becomes 0..B*W-1) or the layer's whole
+    pool of P pages (sliced), O(min(B*W, P) * S * K * hd) bytes written and read again by
+    the kernel.
     """
+    view = kernel_pages(cache, layer, page_table)
+    if view is not None:
+        return view
     L, P, S, K, hd = cache.k.shape
     B, W = page_table.shape
     if B * W < P:
@@ -395,15 +392,20 @@ def target_platform(platform: str):
         _TARGET.reset(token)
 
 
-def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
-    """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
-    elsewhere. `platform` defaults to the `target_platform`, else JAX's default backend."""
+def backend_name(name: str = "auto", platform: str | None = None) -> str:
+    """The name of the backend `select_backend` picks."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: choose one of "
                          f"{['auto', *BACKENDS]}")
     platform = (platform or _TARGET.get() or jax.default_backend()).lower()
-    if name == "auto":
-        name = _AUTO.get(platform, "xla")
+    return _AUTO.get(platform, "xla") if name == "auto" else name
+
+
+def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
+    """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
+    elsewhere. `platform` defaults to the `target_platform`, else JAX's default backend."""
+    platform = (platform or _TARGET.get() or jax.default_backend()).lower()
+    name = backend_name(name, platform)
     kernel_platform = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
     if name in kernel_platform and platform not in kernel_platform[name]:
         raise ValueError(
@@ -413,5 +415,5 @@ def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "Backend", "follows_lengths", "layer_pages", "pallas_gpu", "pallas_tpu",
-           "reference", "select_backend", "target_platform", "tpu_kernel_fits", "xla"]
+__all__ = ["BACKENDS", "Backend", "backend_name", "follows_lengths", "layer_pages", "pallas_gpu",
+           "pallas_tpu", "reference", "select_backend", "target_platform", "tpu_kernel_fits", "xla"]

@@ -26,7 +26,7 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import distributed, sharding
-from ee_jax.serving.attention_kernels import follows_lengths
+from ee_jax.serving.attention_kernels import backend_name, follows_lengths
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.compilation import (
     ProgramCache,
@@ -36,7 +36,7 @@ from ee_jax.serving.compilation import (
 )
 from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
-from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page
+from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page, head_major_for
 from ee_jax.serving.model_runner import ModelRunner, StepBatch, layout_shape, unpack_results
 from ee_jax.serving.params import (
     InvalidRequestError,
@@ -165,9 +165,13 @@ class LLMEngine:
         # the running requests' step inputs, kept across steps (architecture.md section 3)
         self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
                                       exit_config.threshold if exit_config else np.inf)
+        # a pool the Pallas kernels read is stored in their layout (kv_cache: head-major)
+        head_major = mesh is None and head_major_for(
+            backend_name(attention, platform))
         self.runner = ModelRunner(cfg, params,
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
-                                                 sharding=cache_sharding),
+                                                 sharding=cache_sharding,
+                                                 head_major=head_major),
                                   exit_config, exit_heads, attention=attention,
                                   max_batch=max(config.batch_buckets), mesh=mesh,
                                   layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),

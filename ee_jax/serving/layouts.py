@@ -141,20 +141,32 @@ def pick(fn: Callable, args: tuple, auto_argnums: Sequence[int], *,
     What an engine allocates its weights, heads and pool in: pick from its largest program
     (the largest decode bucket) and give every other program the same arrays."""
     returned = returned or {}
-    picked = compile(lower(fn, args, auto_argnums, donate_argnums=donate_argnums))
+    # The pick's compile donates only arguments whose layout it picks: XLA may give a pinned
+    # argument's output (unpinned) another layout, which a donated input cannot alias.
+    picked = compile(lower(fn, args, auto_argnums, donate_argnums=tuple(
+        i for i in donate_argnums if i in auto_argnums)))
+    dev = _sharding(jax.tree.leaves(args)[0])
+    n_out = len(jax.eval_shape(fn, *args))
     placed = list(args)
     for i, f in zip(auto_argnums, chosen(picked, auto_argnums), strict=True):
         placed[i] = place(args[i], f)
-    dev = _sharding(jax.tree.leaves(args)[0])
-    n_out = len(jax.eval_shape(fn, *args))
 
     def compile_args(a):
-        out = tuple(jax.tree.map(lambda x: x.format, a[returned[o]]) if o in returned
+        out = tuple(jax.tree.map(_entry, a[returned[o]]) if o in returned
                     else dev for o in range(n_out))
         return compile(lower(fn, a, donate_argnums=donate_argnums, out_shardings=out))
 
     settled = settle(compile_args, tuple(placed))
     return tuple(jax.tree.map(lambda x: x.format, settled[i]) for i in auto_argnums)
+
+
+def default_formats(tree: Any) -> Any:
+    """The formats of `tree`'s abstract leaves (with shardings) in the device's default
+    layouts, made explicit (read back from a compiled identity): an argument pinned there
+    enters and leaves a program in that layout, where an unset one may be given another."""
+    compiled = jax.jit(lambda t: t, in_shardings=(jax.tree.map(_sharding, tree),)).lower(
+        jax.tree.map(_bare, tree)).compile()
+    return compiled.input_formats[0][0]
 
 
 def place(tree: Any, formats: Any) -> Any:

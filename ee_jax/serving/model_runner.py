@@ -408,9 +408,18 @@ class ModelRunner:
                abstract_signature(args), where)
         if key not in _PICKED:
             prog = StepProgram(key[0])
+            # A head-major pool stays in the default layout, the kernels': with the pool's
+            # layout left to XLA, it fed the kernel a relayout of the whole pool each layer.
+            auto = (0, 1) if self.cache.head_major else (0, 1, 2)
+            if self.cache.head_major:
+                args = (*args[:2], layouts.place(args[2], layouts.default_formats(args[2])),
+                        *args[3:])
             with attention_kernels.target_platform("tpu"):  # compiled for it from any host
-                _PICKED[key] = layouts.pick(functools.partial(prog._impl, shape), args,
-                                            (0, 1, 2), donate_argnums=(2,), returned={0: 2})
+                picked = layouts.pick(functools.partial(prog._impl, shape), args, auto,
+                                      donate_argnums=(2,), returned={0: 2})
+            if len(picked) == 2:
+                picked = (*picked, jax.tree.map(lambda a: a.format, args[2]))
+            _PICKED[key] = picked
         return _PICKED[key]
 
     def step(self, batch: StepBatch) -> Any:
