@@ -64,22 +64,24 @@ def test_plan_holds_every_variant():
     plan = _plan("cuda")
     names = [name for name, _, _ in plan.items()]
     assert sorted(set(names)) == ["all/deferred", "all/propagate", "full", "per_row/deferred",
+                                  "per_row/deferred_learned", "per_row/learned",
                                   "per_row/propagate"]
-    # prefill only at full depth: 5 decode programs and 1 prefill program
-    assert len(names) == 6
+    # prefill only at full depth: 7 decode programs and 1 prefill program
+    assert len(names) == 8
 
 
 @needs_libtpu
 def test_every_step_program_compiles_for_tpu():
-    """Prefill, full-depth decode, BatchExit and PerRow under both back-fill modes, bf16, for
-    one TPU v5e chip, with the Pallas kernel (the XLA attention path: prefill, and
+    """Prefill, full-depth decode, BatchExit and PerRow under deferred and propagate, PerRow
+    under the back-fills with fitted maps (learned, deferred_learned), bf16, for one TPU v5e
+    chip, with the Pallas kernel (the XLA attention path: prefill, and
     `test_smollm2_shaped_decode_compiles_with_pallas_tpu`'s unpadded call)."""
     attention = "pallas_tpu"
     plan = _plan("tpu:v5e", attention)
     rows = list(plan.compile())
     failed = [(r.variant, r.shape, r.error) for r in rows if r.error]
     assert not failed
-    assert len(rows) == 6
+    assert len(rows) == 8
     for r in rows:  # the compiler's own analyses came back
         assert r.flops > 0 and r.bytes_accessed > 0 and r.temp_bytes is not None
     # the kernel is in the program where it applies (decode), and not with xla

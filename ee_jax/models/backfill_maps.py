@@ -38,6 +38,7 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 
 FILE = "backfill_maps.safetensors"
+DEFAULT_RANK = 48  # what `ee-jax tune` fits (TuneConfig.backfill_rank) and AOT plans with
 Maps = dict[str, Any]  # {"a": [X, L - first, D + 1, r], "b": [X, L - first, r, 2*K*hd]}
 
 

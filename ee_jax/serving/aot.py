@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import exit_checkpoint, exit_heads, gguf, llama, registry
+from ee_jax.models import backfill_maps, exit_checkpoint, exit_heads, gguf, llama, registry
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig, uses_maps
 from ee_jax.serving import attention_kernels, compilation
 from ee_jax.serving.engine import EngineConfig, num_pages_for
 from ee_jax.serving.kv_cache import (
@@ -235,6 +235,9 @@ def abstract_params(cfg: ModelConfig) -> llama.Params:
 # with each back-fill mode ("all" stands for BatchExit, "per_row" for PerRow).
 POLICIES = ("all", "per_row")
 BACKFILLS = ("deferred", "propagate")
+# the back-fills that read fitted maps, under the serving policy only (their step differs
+# from the others' in the back-fill after the layers, not in the policy's loop)
+MAP_BACKFILLS = ("learned", "deferred_learned")
 
 
 def variants(ec: ExitConfig | None, every: bool = False
@@ -247,7 +250,9 @@ def variants(ec: ExitConfig | None, every: bool = False
     if not every:
         return [*out, (f"{ec.policy}/{ec.backfill}", ec)]
     return out + [(f"{p}/{b}", dataclasses.replace(ec, policy=p, backfill=b))
-                  for p in POLICIES for b in BACKFILLS]
+                  for p in POLICIES for b in BACKFILLS] + [
+        (f"{SERVING_POLICY}/{b}", dataclasses.replace(ec, policy=SERVING_POLICY, backfill=b))
+        for b in MAP_BACKFILLS]
 
 
 @dataclasses.dataclass
@@ -299,6 +304,7 @@ class Plan:
     # the pool's layout: None, the engine's rule (head-major where a Pallas kernel reads it,
     # `kv_cache.head_major_for`); False forces layer-major (bench/kv_layout.py compares)
     head_major: bool | None = None
+    maps_rank: int = backfill_maps.DEFAULT_RANK  # the fitted maps' rank (back-fills with maps)
 
     @classmethod
     def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
@@ -337,6 +343,9 @@ class Plan:
         cfg, mesh = self.cfg, self.mesh
         params = abstract_params(cfg)
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
+        if ec is not None and uses_maps(ec.backfill):
+            heads = dict(heads, backfill=backfill_maps.map_shapes(cfg, ec.exit_layers,
+                                                                  self.maps_rank))
         platform = "gpu" if self.target.platform == "cuda" else self.target.platform
         kv = storage_dtype(cfg.dtype, platform)
         head_major = mesh is None and head_major_for(self.attention) and \

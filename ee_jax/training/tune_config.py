@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
+from ee_jax.models import backfill_maps
 from ee_jax.models.exit_config import BACKFILLS, ExitConfig, uses_maps
 from ee_jax.training.losses import LossWeights
 
@@ -67,7 +68,7 @@ class TuneConfig:
     backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
     # learned back-fill maps (`backfill_maps`), fitted after the heads on the training rows'
     # dense states and shipped beside them (method "cached"); rank 0: none
-    backfill_rank: int = 48
+    backfill_rank: int = backfill_maps.DEFAULT_RANK
     backfill_ridge: float = 1e-3
     backfill_tokens: int = 65536  # training tokens the maps are fitted on
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
