@@ -471,7 +471,8 @@ def _add_compile_parser(sub) -> None:
                    "random shape's depth)")
     c.add_argument("--exit-policy", choices=["all", "per_row"], default="per_row")
     c.add_argument("--every-policy", action="store_true", help="exit programs under every "
-                   "policy (all, per_row) and back-fill mode (deferred, propagate)")
+                   "policy (all, per_row) and back-fill mode (deferred, propagate), and per_row "
+                   "under the back-fills with fitted maps (learned, deferred_learned)")
     c.add_argument("--decode-only", action="store_true", help="no prefill programs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_compile)
