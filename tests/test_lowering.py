@@ -72,16 +72,20 @@ def test_plan_holds_every_variant():
 
 @needs_libtpu
 def test_every_step_program_compiles_for_tpu():
-    """Prefill, full-depth decode, BatchExit and PerRow under deferred and propagate, PerRow
-    under the back-fills with fitted maps (learned, deferred_learned), bf16, for one TPU v5e
-    chip, with the Pallas kernel (the XLA attention path: prefill, and
-    `test_smollm2_shaped_decode_compiles_with_pallas_tpu`'s unpadded call)."""
+    """Prefill, full-depth decode, BatchExit under deferred and PerRow under every back-fill
+    (deferred, propagate, learned, deferred_learned), bf16, for one TPU v5e chip, with the
+    Pallas kernel (the XLA attention path: prefill, and
+    `test_smollm2_shaped_decode_compiles_with_pallas_tpu`'s unpadded call). BatchExit under
+    propagate is left out for CI time: its back-fill is PerRow's, its loop deferred's (the
+    CUDA lowering test takes every program)."""
     attention = "pallas_tpu"
     plan = _plan("tpu:v5e", attention)
+    plan = dataclasses.replace(plan, programs=[p for p in plan.programs
+                                               if p[0] != "all/propagate"])
     rows = list(plan.compile())
     failed = [(r.variant, r.shape, r.error) for r in rows if r.error]
     assert not failed
-    assert len(rows) == 8
+    assert len(rows) == 7
     for r in rows:  # the compiler's own analyses came back
         assert r.flops > 0 and r.bytes_accessed > 0 and r.temp_bytes is not None
     # the kernel is in the program where it applies (decode), and not with xla
