@@ -220,12 +220,10 @@ def gather_layer(cache: KVCache, layer, page_table: jax.Array):
     One gather straight from the full array (no per-layer slice copy; on a kv-head-sharded
     pool each device gathers its own heads).
     """
+    if cache.head_major:  # never sharded (no mesh): the pages' row gather
+        return take_pages(cache, page_table + layer * cache.num_pages)
     B, W = page_table.shape
     S = cache.page_size
-    if cache.head_major:
-        k, v = cache.k[:, layer, page_table], cache.v[:, layer, page_table]  # [K, B, W, S, hd]
-        return tuple(jnp.moveaxis(a, 0, 3).reshape(B, W * S, *a.shape[:1], a.shape[-1])
-                     for a in (k, v))
     k = cache.k[layer, page_table]  # [B, W, S, K, hd]
     v = cache.v[layer, page_table]
     return (k.reshape(B, W * S, *k.shape[3:]), v.reshape(B, W * S, *v.shape[3:]))

@@ -417,7 +417,7 @@ class ModelRunner:
             with attention_kernels.target_platform("tpu"):  # compiled for it from any host
                 picked = layouts.pick(functools.partial(prog._impl, shape), args, auto,
                                       donate_argnums=(2,), returned={0: 2})
-            if len(picked) == 2:
+            if self.cache.head_major:  # the pool as pinned above
                 picked = (*picked, jax.tree.map(lambda a: a.format, args[2]))
             _PICKED[key] = picked
         return _PICKED[key]
