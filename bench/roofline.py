@@ -57,7 +57,7 @@ from bench.common import (
     step_case,
     time_steps,
 )
-from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels, layouts
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import (
@@ -422,6 +422,17 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                               target)
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
                                               target)
+    maps = Cost(0.0, 0.0)
+    maps_hand = 0.0
+    if ec is not None:  # the fitted maps' correction of the rows that left (all B here)
+        mshape = backfill_maps.map_shapes(cfg, ec.exit_layers, backfill_maps.DEFAULT_RANK)
+        slots = sds((B,), jnp.int32)
+        maps = cost(lambda m, s, h, p: backfill_maps.kv_correction(m, s, h, p, cfg),
+                    (mshape, slots, x, pos), target)
+        span = cfg.n_layers - ec.exit_layers[0]
+        # each row's maps for every layer above the first exit, and the corrections out (f32)
+        maps_hand = B * (sum(int(np.prod(a.shape[1:])) for a in mshape.values()) * 4
+                         + span * 2 * backfill_maps.kv_dim(cfg) * 4)
     pool_layer = Cost(0.0, 0.0)
     if step:  # the step's own layer: attention "reference" over the pool, the cache donated
         pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
@@ -435,9 +446,12 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                    2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * it
                                    + cfg.d_model * it * (1 + B)
                                    + 2 * B * cfg.n_kv_heads * kv_hd * it)}
+    if ec is not None:
+        parts["maps (learned correction)"] = (maps, maps_hand)
     copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
               "later check": later_copies, "step": step_copies}
-    return Measured(Pieces(fixed, layer, later, fill, ride, first), compiled, parts, copies)
+    return Measured(Pieces(fixed, layer, later, fill, ride, first, maps), compiled, parts,
+                    copies)
 
 
 def _mb(c: Cost | str) -> str:
@@ -674,8 +688,9 @@ def main(argv=None) -> int:
 
 TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full depth ms (analytic "
               "bytes) | forced L/2 propagate | forced 3L/4 propagate | "
-              "shipped hist. propagate (instr / code / chat) | shipped hist. deferred |\n"
-              "|---|---|---:|---:|---|---:|---:|---:|---|---|")
+              "shipped hist. propagate (instr / code / chat) | shipped hist. learned | "
+              "shipped hist. deferred | shipped hist. deferred_learned |\n"
+              "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|")
 
 
 def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
@@ -710,7 +725,8 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
                    f"{t_an * 1e3:.3f} | "
                    f"{forced(half, 'propagate')} | "
                    f"{forced(tq, 'propagate')} | "
-                   f"{hist('propagate')} | {hist('deferred')} |")
+                   f"{hist('propagate')} | {hist('learned')} | {hist('deferred')} | "
+                   f"{hist('deferred_learned')} |")
     return "\n".join(out)
 
 

@@ -190,6 +190,45 @@ def test_every_step_program_lowers_for_cuda_with_the_pallas_gpu_kernel():
             assert aot.TRITON_CALL in exported.mlir_module()
 
 
+needs_cuda_aot = pytest.mark.skipif(
+    not aot.cuda_compiles(), reason="JAX's CUDA plugin and ptxas are not installed (the "
+    "cuda-aot venv: make roofline, requirements-cuda-aot.txt, JAX_PLATFORMS=cpu): CUDA "
+    "programs are exported above, not compiled")
+
+
+@needs_cuda_aot
+def test_every_step_program_compiles_for_cuda():
+    """With the cuda-aot extra XLA's GPU compiler builds every step program for an H100
+    without one (the Pallas GPU kernel's Triton call compiled to PTX and through ptxas), and
+    the fused programs have a cost and a memory analysis."""
+    plan = _plan("cuda")
+    assert plan.target.compiles and plan.attention == "pallas_gpu"
+    rows = list(plan.compile(workers=1))
+    assert len(rows) == len(plan) and [r.error for r in rows] == [None] * len(rows)
+    for r in rows:
+        assert r.flops > 0 and r.bytes_accessed > 0 and r.argument_bytes > 0
+
+
+@needs_cuda_aot
+def test_cuda_compiled_bytes_are_the_fused_programs():
+    """The bytes of a CUDA program compiled here are the optimised module's: a chain of
+    elementwise ops fuses into one kernel that reads x and writes y once, where the
+    pre-optimisation HLO (what lowering alone can count) charges every op's read and write."""
+    dev = aot.target_devices(aot.parse_target("cuda:h100"))[0]
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16,
+                             sharding=jax.sharding.SingleDeviceSharding(dev))
+
+    def f(x):
+        return jnp.tanh(x * 2 + 1) * 3
+
+    _, fused = aot.cost_of(jax.jit(f).lower(x).compile())
+    size = 4096 * 1024 * 2
+    assert fused == pytest.approx(2 * size, rel=0.01)
+    plain = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    unfused = jax.jit(f).trace(plain).lower(lowering_platforms=("cuda",)).cost_analysis()
+    assert unfused["bytes accessed"] >= 2 * fused
+
+
 def test_bad_gpu_block_shape_is_refused_at_export():
     """The Pallas GPU kernel's block_h must be a multiple of 16: export refuses 8."""
     from jax import export
@@ -349,7 +388,8 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
 def test_roofline_composition():
     """Hand-counted steps: propagate pays the layers run plus K/V projections of the rest;
     deferred pays propagate's plus its pending token's second query in the layers the new
-    token runs above the pending one (`ride`)."""
+    token runs above the pending one (`ride`); the back-fills with maps add the leaving
+    rows' correction."""
     from ee_jax.serving.roofline import Cost, Pieces, seconds
 
     p = Pieces(fixed=Cost(10.0, 100.0), layer=Cost(2.0, 50.0), check=Cost(1.0, 5.0),
@@ -376,8 +416,18 @@ def test_roofline_composition():
     assert q.full_depth(4) == p.full_depth(4)
     assert seconds(Cost(2e12, 1e9), 1e12, 1e12) == 2.0  # compute-bound
     assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound
+    # the back-fills with maps: the leaving rows' correction once a step where a row left;
+    # deferred_learned corrects the pending token's state too (the flops twice, maps read once)
+    m = dataclasses.replace(p, maps=Cost(3.0, 11.0))
+    assert m.exit_at(1, 4, 1, "learned") == p.exit_at(1, 4, 1, "propagate") + Cost(3.0, 11.0)
+    assert m.exit_at(4, 4, 2, "learned") == p.full_depth(4) + 2 * p.check  # nobody left
+    assert m.exit_at(3, 4, 2, "deferred_learned", pending=1) == \
+        p.exit_at(3, 4, 2, "deferred", pending=1) + Cost(6.0, 11.0)
+    mean = m.expected({1: 1, 4: 3}, 4, (1, 2), "deferred_learned")
+    want = p.expected({1: 1, 4: 3}, 4, (1, 2), "deferred") + 0.25 * Cost(6.0, 11.0)
+    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
     with pytest.raises(ValueError, match="back-fill"):
-        p.exit_at(1, 4, 1, "learned")
+        p.exit_at(1, 4, 1, "bogus")
 
 
 ROOF_CFG = random_config(vocab_size=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,

@@ -75,6 +75,16 @@ CHIPS: dict[str, Chip] = {
     "h200": Chip("H200 SXM", "cuda", 141 * GB, 989e12, 4800 * GB,
                  "nvidia.com H200 datasheet (989 TFLOP/s dense bf16, 141 GB HBM3e, 4.8 TB/s)"),
 }
+# What XLA's GPU compiler plans fusions, tiles and launch shapes with, per CUDA chip, when it
+# compiles without one (NVIDIA's published specifications: SMs, shared memory per SM and per
+# block opt-in, L2, boost clock, compute capability). Written as a GpuTargetConfigProto by
+# `cuda_target_config`.
+_CUDA_FACTS = {
+    "h100": {"description": "NVIDIA H100 80GB HBM3", "sms": 132, "l2": 50 * 2**20},
+    "h200": {"description": "NVIDIA H200", "sms": 132, "l2": 50 * 2**20},
+}
+_HOPPER = {"smem_per_sm": 228 * 2**10, "smem_per_block_optin": 227 * 2**10, "clock_ghz": 1.98,
+           "capability": (9, 0)}
 # The libtpu device kind of each TPU generation (what get_topology_desc's devices report).
 _TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
 KNOWN_TARGETS = ("tpu:v5e", "tpu:v5e:2x2", "tpu:v6e", "tpu:v6e:2x2", "tpu:<gen>:<X>x<Y>",
@@ -106,8 +116,9 @@ class Target:
 
     @property
     def compiles(self) -> bool:
-        """True: programs are compiled (memory and cost analysis); False: lowered only."""
-        return self.platform in ("tpu", "cpu")
+        """True: programs are compiled (memory and cost analysis); False: lowered only (CUDA
+        without the `cuda-aot` extra: `cuda_compiles`)."""
+        return self.platform in ("tpu", "cpu") or (self.platform == "cuda" and cuda_compiles())
 
 
 def parse_target(text: str) -> Target:
@@ -130,14 +141,63 @@ def parse_target(text: str) -> Target:
                       f"(TPU generations: {', '.join(_TPU_KINDS)})")
 
 
+def cuda_target_config(chip: str) -> str:
+    """The GpuTargetConfigProto (text) XLA's GPU compiler compiles for `chip` with, no GPU
+    present: the chip's facts (`_CUDA_FACTS`), its HBM size and bandwidth (`CHIPS`)."""
+    f, c = {**_HOPPER, **_CUDA_FACTS[chip]}, CHIPS[chip]
+    major, minor = f["capability"]
+    return (
+        "gpu_device_info {\n"
+        "  threads_per_block_limit: 1024\n  threads_per_warp: 32\n"
+        "  shared_memory_per_block: 49152\n"
+        f"  shared_memory_per_core: {f['smem_per_sm']}\n"
+        f"  shared_memory_per_block_optin: {f['smem_per_block_optin']}\n"
+        "  threads_per_core_limit: 2048\n"
+        f"  core_count: {f['sms']}\n  fpus_per_core: 128\n"
+        "  block_dim_limit_x: 2147483647\n  block_dim_limit_y: 65535\n"
+        "  block_dim_limit_z: 65535\n"
+        f"  memory_bandwidth: {int(c.hbm_bytes_per_s)}\n  l2_cache_size: {f['l2']}\n"
+        f"  clock_rate_ghz: {f['clock_ghz']}\n  device_memory_size: {c.hbm_bytes}\n"
+        "  registers_per_core_limit: 65536\n  registers_per_block_limit: 65536\n"
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n"
+        "}\n"
+        'platform_name: "CUDA"\n'
+        "dnn_version_info { major: 9 minor: 8 }\n"
+        f'device_description_str: "{f["description"]}"\n')
+
+
+@functools.cache
+def _cuda_topology(chip: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                        target_config=cuda_target_config(chip))
+
+
+@functools.cache
+def cuda_compiles() -> bool:
+    """Whether XLA's GPU compiler is here to compile for CUDA without a GPU (the `cuda-aot`
+    extra: JAX's CUDA plugin and ptxas, `requirements-cuda-aot.txt`, run with
+    JAX_PLATFORMS=cpu); without it CUDA programs are lowered (`jax.export`) only."""
+    try:
+        _cuda_topology("h100")
+    except Exception:  # no CUDA plugin: "topology not implemented for cuda"
+        return False
+    return True
+
+
 @functools.cache
 def target_devices(target: Target) -> tuple:
     """The devices programs for `target` are compiled against: the TPU topology's (from
-    libtpu, no TPU needed), this host's CPU, or () for CUDA (exported, not compiled)."""
+    libtpu, no TPU needed), the CUDA chip's (XLA's GPU compiler with the chip's facts, no
+    GPU needed; () without the `cuda-aot` extra: exported, not compiled), or this CPU's."""
     if target.platform == "cpu":
         return tuple(jax.devices("cpu"))
     if target.platform == "cuda":
-        return ()
+        if not cuda_compiles():
+            return ()
+        chip = next(k for k, c in CHIPS.items() if c == target.chip)
+        return tuple(_cuda_topology(chip).devices)
     compilation.quiet_libtpu()
     from jax.experimental import topologies
 
@@ -283,6 +343,16 @@ def cost_of(compiled) -> tuple[float | None, float | None]:
     ca = compiled.cost_analysis()
     if isinstance(ca, list):  # older JAX: one dict per partition
         ca = ca[0] if ca else None
+    if not ca:  # compiled for CUDA without a GPU: the executable has no cost analysis of
+        # its own ("not supported"), so XLA's HLO cost analysis runs on its optimised (fused)
+        # module through the CPU client
+        try:
+            from jax._src.lib import _jax
+
+            module = compiled.runtime_executable().hlo_modules()[0]
+            ca = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        except Exception:
+            ca = None
     if not ca:
         return None, None
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
