@@ -1,13 +1,15 @@
-"""The KV pool's layout on TPU, compiled ahead of time on this CPU: the engine's decode steps
-with JAX's Pallas kernel reading a head-major pool ([K, L, P, S, hd], the engine's layout
-where a kernel reads it: `kv_cache` docstring) against a layer-major one ([L, P, S, K, hd],
-copied into the kernel's layout every layer: `attention_kernels.layer_pages`).
+"""The KV pool's layout on TPU (or CUDA, in the cuda-aot venv), compiled ahead of time on this
+CPU: the engine's decode steps with JAX's Pallas kernel reading a head-major pool
+([K, L, P, S, hd], the engine's layout where a kernel reads it: `kv_cache` docstring) against
+a layer-major one ([L, P, S, K, hd], copied into the kernel's layout every layer:
+`attention_kernels.layer_pages`).
 
 Per program: XLA's bytes accessed (a `while_loop` body counted once: one layer, the head
 and what the step does once), temporaries and arguments from the memory analysis, and the
 copies of a whole pool-sized array in the compiled HLO.
 
     python -m bench.kv_layout [--model random:smollm2-135m] [--target tpu:v5e]
+    JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.kv_layout --target cuda:h100
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ def main(argv=None) -> int:
     cfg, ec = aot.plan_model(args.model)
     config = EngineConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
                           page_size=16, batch_buckets=tuple(args.batches))
-    base = aot.Plan.make(cfg, aot.parse_target(args.target), config, ec, kinds=("decode",),
-                         attention="pallas_tpu")
-    print(f"{args.model} on {args.target}, pallas_tpu, {base.num_pages} pages of 16, "
+    target = aot.parse_target(args.target)
+    kernel = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[target.platform]
+    base = aot.Plan.make(cfg, target, config, ec, kinds=("decode",), attention=kernel)
+    print(f"{args.model} on {args.target}, {kernel}, {base.num_pages} pages of 16, "
           f"max_model_len {args.max_model_len}\n")
     print("| pool | program | batch | pages a row | bytes accessed (MB) | temporaries (MB) "
           "| arguments (MB) | pool-sized copies |\n|---|---|---:|---:|---:|---:|---:|---|")
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             runner = plan.runner(e)
             pool = math.prod(runner.cache.k.shape)
-            with attention_kernels.target_platform("tpu"):
+            with attention_kernels.target_platform(target.platform):
                 compiled = runner.lower(shape).compile()
             _, nbytes = aot.cost_of(compiled)
             mem = compiled.memory_analysis()

@@ -2,7 +2,9 @@
 
 For each model shape and target, the decode step's pieces are compiled (TPU, ahead of time
 on this host, with memory-space assignment off so that the bytes are HBM bytes: see
-TPU_COUNT_OPTIONS) or lowered (CUDA: the HLO before optimisation, unfused) on their own, and
+TPU_COUNT_OPTIONS; CUDA, by XLA's GPU compiler without a GPU, in the cuda-aot venv: `make
+roofline`) or, for CUDA without that compiler, lowered (the HLO before optimisation,
+unfused) on their own, and
 XLA's cost analysis gives their flops and bytes: one decoder layer (unstacked weights) whose
 attention reads the rows' K/V given as an input of the read size, plus this token's K/V write
 counted by hand (XLA counts an in-place scatter by its pool, and a page gather by its
@@ -72,15 +74,16 @@ from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
-# Row exit histograms of the shipped SmolLM2 heads at batch 1 (threshold 0.985; layer: rows,
-# 30 = full depth), docs/benchmarks.md at dcc3eba (bench.shipped_exits at threshold 0.985).
+# Row exit histograms of the shipped SmolLM2 default at batch 1 (back-fill deferred_learned at
+# threshold 0.975; layer: rows, 30 = full depth): bench.shipped_exits --batch-runs 1:all
+# --backfills deferred_learned --prompts 12 --new-tokens 32, 2026-12-03 20:52 (docs/benchmarks.md).
 SHIPPED = {
-    "instructions": {20: 1, 21: 16, 22: 8, 23: 8, 24: 20, 25: 9, 26: 9, 27: 6, 28: 8, 29: 7,
-                     30: 378},
-    "HumanEval": {19: 1, 20: 1, 21: 11, 22: 6, 23: 8, 24: 19, 25: 3, 26: 3, 27: 10, 28: 11,
-                  29: 6, 30: 407},
-    "everyday chat": {21: 4, 22: 3, 23: 14, 24: 28, 25: 4, 26: 3, 27: 3, 28: 8, 29: 1,
-                      30: 413},
+    "instructions": {16: 22, 17: 8, 18: 20, 19: 14, 20: 15, 21: 9, 22: 6, 23: 3, 24: 8, 25: 6,
+                     26: 4, 27: 6, 28: 6, 29: 10, 30: 233},
+    "HumanEval": {16: 12, 17: 10, 18: 22, 19: 10, 20: 8, 21: 11, 22: 6, 23: 5, 24: 11, 25: 5,
+                  26: 8, 27: 6, 28: 13, 29: 12, 30: 233},
+    "everyday chat": {16: 16, 17: 4, 18: 4, 19: 12, 20: 6, 21: 14, 22: 6, 23: 3, 24: 4, 25: 8,
+                      26: 4, 27: 4, 28: 6, 29: 11, 30: 270},
 }
 SHIPPED_LAYERS = 30
 
@@ -114,8 +117,8 @@ TPU_COUNT_OPTIONS = {"xla_msa_enable": False}
 
 def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
          auto: tuple[int, ...] = (), out=None) -> Cost:
-    """XLA's flops and bytes of fn(*args): compiled for TPU (HBM bytes: MSA off) or CPU,
-    lowered for CUDA (the HLO before optimisation: unfused)."""
+    """XLA's flops and bytes of fn(*args): compiled for TPU (HBM bytes: MSA off), CPU or
+    CUDA (the cuda-aot extra), else lowered for CUDA (the HLO before optimisation: unfused)."""
     return cost_and_copies(fn, args, target, donate, auto, out)[0]
 
 

@@ -392,8 +392,9 @@ def _eval_options(args):
 
 
 def _compile(args) -> int:
-    """Every step program the engine would run on --target, compiled (TPU, CPU) or lowered
-    (CUDA) here, one row each; then whether the config fits the target's memory."""
+    """Every step program the engine would run on --target, compiled (TPU, CPU; CUDA with
+    the cuda-aot extra) or lowered (CUDA without it) here, one row each; then whether the
+    config fits the target's memory."""
     from tqdm.auto import tqdm
 
     from ee_jax.serving import aot, roofline
@@ -451,10 +452,12 @@ def _compile(args) -> int:
 
 
 def _add_compile_parser(sub) -> None:
-    c = sub.add_parser("compile", help="compile every step program for a TPU (ahead of "
-                       "time, on any machine) or lower it for CUDA; memory and roofline")
+    c = sub.add_parser("compile", help="compile every step program for a TPU or a CUDA GPU "
+                       "(ahead of time, on any machine; CUDA lowered only without the "
+                       "cuda-aot extra); memory and roofline")
     c.add_argument("--target", default="tpu:v5e", help="tpu:v5e (one chip, as Colab), "
-                   "tpu:v5e:2x2, tpu:v6e[:XxY], cuda[:h100|h200] (lowered only), cpu")
+                   "tpu:v5e:2x2, tpu:v6e[:XxY], cuda[:h100|h200] (compiled in the cuda-aot "
+                   "venv, requirements-cuda-aot.txt with JAX_PLATFORMS=cpu; else lowered), cpu")
     c.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf "
                    "file (its header only), or a shape without weights: random:smollm2-135m, "
                    "random:llama-3.2-1b, random:llama-3.1-8b")

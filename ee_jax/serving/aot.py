@@ -1,6 +1,7 @@
 """Every step program the engine would run on a machine this one need not be: compiled ahead
-of time for a TPU topology (libtpu, on any host, as MaxText does), or lowered for CUDA
-(`jax.export`), from abstract weights (`jax.ShapeDtypeStruct`: an 8B model is never
+of time for a TPU topology (libtpu, on any host, as MaxText does) or for a CUDA GPU (XLA's GPU
+compiler told the chip, no GPU needed), or lowered for CUDA (`jax.export`) where that compiler
+is not installed, from abstract weights (`jax.ShapeDtypeStruct`: an 8B model is never
 materialised).
 
     target = parse_target("tpu:v5e:2x2")                # or "tpu:v6e", "cuda:h100", "cpu"
@@ -11,10 +12,12 @@ materialised).
 The programs are the engine's own: `ModelRunner.lower` on a runner holding abstract params,
 heads and cache placed on the target's devices, for every `StepShape` the scheduler can produce
 (`SchedulerConfig.step_shapes`, what `LLMEngine.precompile` compiles). Compiling for TPU needs
-the `tpu-aot` extra (`requirements-tpu-aot.txt`: libtpu matching the pinned JAX); lowering for
-CUDA needs nothing more. What only a device checks: for CUDA, PTX generation and the Triton
-kernel's shared-memory limits (XLA compiles the exported module on the GPU); for TPU, run-time
-behaviour (the compile itself is the device's own compiler).
+the `tpu-aot` extra (`requirements-tpu-aot.txt`: libtpu matching the pinned JAX); compiling for
+CUDA the `cuda-aot` extra (`requirements-cuda-aot.txt`: JAX's CUDA plugin and ptxas, in a venv
+of its own run with JAX_PLATFORMS=cpu, `make roofline`), without which CUDA programs are
+lowered only. What a compile here does not check: for CUDA, autotuning (XLA picks default
+matmul tiles without a GPU to time them on, so a device's fusions may differ) and anything at
+run time; for TPU, run-time behaviour (the compile itself is the device's own compiler).
 """
 
 from __future__ import annotations
