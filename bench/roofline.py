@@ -430,7 +430,8 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     if ec is not None:  # the fitted maps' correction of the rows that left (all B here)
         mshape = backfill_maps.map_shapes(cfg, ec.exit_layers, backfill_maps.DEFAULT_RANK)
         slots = sds((B,), jnp.int32)
-        maps = cost(lambda m, s, h, p: backfill_maps.kv_correction(m, s, h, p, cfg),
+        gather = backfill_maps.gathers(target.platform, B)  # as the step decides
+        maps = cost(lambda m, s, h, p: backfill_maps.kv_correction(m, s, h, p, cfg, gather),
                     (mshape, slots, x, pos), target)
         span = cfg.n_layers - ec.exit_layers[0]
         # each row's maps for every layer above the first exit, and the corrections out (f32)

@@ -134,7 +134,11 @@ def test_zero_maps_write_exactly_what_propagate_writes(dtype):
                                   np.asarray(prop.v.astype(jnp.float32)))
 
 
-def test_learned_writes_propagate_plus_map_at_the_skipped_slots_only():
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "every-slot"])
+def test_learned_writes_propagate_plus_map_at_the_skipped_slots_only(gather):
+    """Each row gets its own exit's maps, whether they are gathered per row (CPU, GPU, small
+    TPU batches) or every slot's correction is computed and each row picks its own (TPU at
+    larger batches: `backfill_maps.gathers`)."""
     meta, h, cache = _step_inputs(1)
     k0, v0 = np.asarray(cache.k), np.asarray(cache.v)
     maps = _random_maps(2)
@@ -142,7 +146,8 @@ def test_learned_writes_propagate_plus_map_at_the_skipped_slots_only():
     n_done = jnp.asarray([3, L, 2], jnp.int32)
     slots = jnp.asarray([EXITS.index(3), -1, EXITS.index(2)], jnp.int32)
     fn = jax.jit(backfill, static_argnames=("cfg", "first"), donate_argnums=(1,))
-    out = fn(PARAMS, cache, h, n_done, meta, CFG, FIRST, learned=Learned(maps, slots, FIRST))
+    out = fn(PARAMS, cache, h, n_done, meta, CFG, FIRST,
+             learned=Learned(maps, slots, FIRST, gather))
     k1, v1 = np.asarray(out.k), np.asarray(out.v)
     inv = llama.rope_inv_freq(CFG)
     touched = np.zeros((PAGES, PAGE), bool)

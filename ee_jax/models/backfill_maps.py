@@ -98,31 +98,54 @@ def normed_input(h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([n, jnp.ones((*n.shape[:-1], 1), n.dtype)], axis=-1)
 
 
-def _correction(maps: Maps, slots: jax.Array, n: jax.Array) -> jax.Array:
+# On TPU a per-row gather of the maps ([B, J, D+1, r] f32, the rank's 48 padded to 128 lanes)
+# moved 5-7x its bytes at batch >= 8 (SmolLM2, v5e: 154 MB for 21 MB of maps at batch 8,
+# bench/roofline.py's pieces); every slot's correction, then each row's pick, reads each map
+# once (47 MB at batch 8, 72 at 32: more flops, which a TPU has to spare). Elsewhere the gather
+# is the cheaper one (CPU: compute-bound at batch 8; H100: 37 MB at batch 8).
+TPU_GATHER_MAX_ROWS = 4
+
+
+def gathers(platform: str, rows: int) -> bool:
+    """Whether `kv_correction` gathers each row's maps (else: every slot, then a pick) on
+    `platform` ("tpu", "gpu"/"cuda", "cpu") for a step of `rows` rows."""
+    return platform != "tpu" or rows <= TPU_GATHER_MAX_ROWS
+
+
+def _correction(maps: Maps, slots: jax.Array, n: jax.Array, gather: bool = True) -> jax.Array:
     """[J, B, T, 2KV] f32: each row's correction from its normed input n [B, T, D+1] and exit
-    slot [B] (< 0: zeros). The rows' maps are gathered ([B, J, D+1, r]: at batch 8 on CPU
-    this copy costs about a fifth of the step, hence `kv_correction` passes only the rows
-    that left)."""
+    slot [B] (< 0: zeros). gather (static): the rows' maps are gathered ([B, J, D+1, r]: at
+    batch 8 on CPU this copy costs about a fifth of the step, hence `kv_correction` passes
+    only the rows that left); else every slot's correction is computed and each row picks
+    its own (`gathers`)."""
     live = slots >= 0
     s = jnp.where(live, slots, 0)
-    a, b = maps["a"][s], maps["b"][s]  # [B, J, D+1, r], [B, J, r, 2KV]
-    z = jnp.einsum("btd,bjdr->jbtr", n, a.astype(jnp.float32))
-    c = jnp.einsum("jbtr,bjro->jbto", z, b.astype(jnp.float32))  # [J, B, T, 2KV]
+    if gather:
+        a, b = maps["a"][s], maps["b"][s]  # [B, J, D+1, r], [B, J, r, 2KV]
+        z = jnp.einsum("btd,bjdr->jbtr", n, a.astype(jnp.float32))
+        c = jnp.einsum("jbtr,bjro->jbto", z, b.astype(jnp.float32))  # [J, B, T, 2KV]
+    else:
+        z = jnp.einsum("btd,xjdr->xjbtr", n, maps["a"].astype(jnp.float32))
+        c = jnp.einsum("xjbtr,xjro->xjbto", z, maps["b"].astype(jnp.float32))  # [X, J, B, T, O]
+        c = jnp.moveaxis(c[s, :, jnp.arange(s.shape[0])], 0, 1)  # each row's slot: [J, B, T, O]
     return jnp.where(live[None, :, None, None], c, 0.0)
 
 
 def kv_correction(maps: Maps, slots: jax.Array, h: jax.Array, positions: jax.Array,
-                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+                  cfg: ModelConfig, gather: bool = True) -> tuple[jax.Array, jax.Array]:
     """(dk with RoPE, dv), each [L - first, B, T, K, hd] in f32, for rows whose exit slot is
     `slots` [B] (int32; rows with slot < 0 get zero). h: [B, T, D]; positions: [B, T].
 
-    At B >= 2 only the rows that left are corrected (a static half of the batch, the leaving
-    rows moved first; all B rows when more left): the same values, without gathering maps
-    for rows that stay."""
+    gather (static, `gathers`): at B >= 2 only the rows that left are corrected (a static
+    half of the batch, the leaving rows moved first; all B rows when more left): the same
+    values, without gathering maps for rows that stay. Not gathering: every slot's
+    correction for every row, each row keeping its own's."""
     n = normed_input(h, cfg)  # [B, T, D+1]
     B = slots.shape[0]
     few = max(1, B // 2)
-    if few == B:
+    if not gather:
+        c = _correction(maps, slots, n, gather=False)
+    elif few == B:
         c = _correction(maps, slots, n)
     else:  # the rows that left this step, when they are at most half the batch
         live = slots >= 0

@@ -392,6 +392,12 @@ def target_platform(platform: str):
         _TARGET.reset(token)
 
 
+def platform() -> str:
+    """The platform programs are being built for: the `target_platform`, else JAX's default
+    backend ("cpu", "tpu", "gpu")."""
+    return (_TARGET.get() or jax.default_backend()).lower()
+
+
 def backend_name(name: str = "auto", platform: str | None = None) -> str:
     """The name of the backend `select_backend` picks."""
     if name != "auto" and name not in BACKENDS:
@@ -416,4 +422,5 @@ def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
 
 
 __all__ = ["BACKENDS", "Backend", "backend_name", "follows_lengths", "layer_pages", "pallas_gpu",
-           "pallas_tpu", "reference", "select_backend", "target_platform", "tpu_kernel_fits", "xla"]
+           "pallas_tpu", "platform", "reference", "select_backend", "target_platform",
+           "tpu_kernel_fits", "xla"]

@@ -24,7 +24,7 @@ from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, write_slots
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("maps", "slots"),
-                   meta_fields=("start",))
+                   meta_fields=("start", "gather"))
 @dataclasses.dataclass(frozen=True)
 class Learned:
     """What back-fill "learned" adds to a step's back-fill."""
@@ -32,6 +32,7 @@ class Learned:
     maps: backfill_maps.Maps  # the fitted maps (`backfill_maps.map_shapes`)
     slots: jax.Array  # [B] int32: each row's exit slot (-1: none)
     start: int  # static: the lowest exit layer, where the maps' layer axis starts
+    gather: bool = True  # static: gather the rows' maps (`backfill_maps.gathers`)
 
 
 def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg: ModelConfig,
@@ -47,7 +48,7 @@ def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg
     maps, slots, start = learned.maps, learned.slots, learned.start
     off = first - start  # the maps cover layers start..L-1 (start: the lowest exit layer)
     maps = jax.tree.map(lambda a: a[:, off:], maps)
-    dk, dv = backfill_maps.kv_correction(maps, slots, h, meta.positions, cfg)
+    dk, dv = backfill_maps.kv_correction(maps, slots, h, meta.positions, cfg, learned.gather)
     return (ks.astype(jnp.float32) + dk).astype(ks.dtype), (vs.astype(jnp.float32)
                                                             + dv).astype(vs.dtype)
 

@@ -59,9 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig, rides_along, uses_maps
+from ee_jax.serving import attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import KVCache
@@ -426,7 +427,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # back-fill "learned" / "deferred_learned": each row's fitted maps for its exit (table: -1
     # at L and 0); under "deferred_learned" both the row's token and its pending one are
     # filled from their states at the row's exit, so one slot a row serves both
-    learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0])
+    learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0],
+                       backfill_maps.gathers(attention_kernels.platform(), B))
                if uses_maps(ec.backfill) else None)
     if not deferred:
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
