@@ -16,6 +16,10 @@
 #   bench.step          one decode step against full depth (`early_exit=False`'s program):
 #                       policies all / per_row with checks never firing, forced exits at L/3
 #                       and 2L/3 (the ceiling), weight dtypes, attention backends, batch 1-128.
+# Batch 1 against batch 2: compiled here without a GPU, XLA's GPU compiler rewrites a one-row
+# bf16 product into a weight-sized elementwise product and a reduction (3x the weight bytes;
+# docs/roofline.md, "CUDA"), two rows into a GEMM. If batch 2's full-depth step is not slower
+# than batch 1's on the device, the smallest GPU decode bucket should be 2 rows.
 # On a GPU, `per_row` runs one stage (no row compaction: `model_runner.compaction_pays`; a
 # layer over B/2 rows is expected to cost what it costs over B until B is large). Compare its
 # forced-exit rows at batch 128 with the CPU's to see whether that holds on the chip.
@@ -50,7 +54,7 @@ run)
         python3 -m bench.kernels attention --backends $attn_backends \
             --batches ${ATTN_BATCHES:-${BATCHES:-8 32 128 256}} $attn_args \
             || echo "bench.kernels attention failed (exit $?); the rest still runs"
-        python3 -m bench.step --random --batches ${BATCHES:-1 8 32 128} $step_args \
+        python3 -m bench.step --random --batches ${BATCHES:-1 2 8 32 128} $step_args \
             --out "$out/step.md" || echo "bench.step failed (exit $?)"
     } 2>&1 | tee "$out/device.log"
     ;;
