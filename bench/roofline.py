@@ -435,7 +435,8 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                     (mshape, slots, x, pos), target)
         span = cfg.n_layers - ec.exit_layers[0]
         # each row's maps for every layer above the first exit, and the corrections out (f32)
-        maps_hand = B * (sum(int(np.prod(a.shape[1:])) for a in mshape.values()) * 4
+        maps_hand = B * (sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+                             for a in mshape.values())
                          + span * 2 * backfill_maps.kv_dim(cfg) * 4)
     pool_layer = Cost(0.0, 0.0)
     if step:  # the step's own layer: attention "reference" over the pool, the cache donated

@@ -20,7 +20,8 @@ with zero maps writes propagate's K/V bit for bit. The maps are a pytree beside 
 
 X = len(exit_layers), first = exit_layers[0]; the slot of layer j is j - first. Entries with
 j <= e_s are never used and held at zero. On disk (`save_maps`) only the used pairs are
-stored, in bf16 (safetensors, with the model, exit layers and rank in its metadata).
+stored, in bf16 (safetensors, with the model, exit layers and rank in its metadata); in
+memory they stay bf16 (`MAP_DTYPE`), the correction computing in f32.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 
 FILE = "backfill_maps.safetensors"
+# The maps in memory: bf16, as on disk (the correction computes in f32 from them, so a served
+# map is the saved one exactly, in half the bytes a step's gather or read moves).
+MAP_DTYPE = jnp.bfloat16
 DEFAULT_RANK = 48  # what `ee-jax tune` fits (TuneConfig.backfill_rank) and AOT plans with
 Maps = dict[str, Any]  # {"a": [X, L - first, D + 1, r], "b": [X, L - first, r, 2*K*hd]}
 
@@ -52,12 +56,12 @@ def kv_dim(cfg: ModelConfig) -> int:
 
 def map_shapes(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int
                ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The abstract maps tree for these exits (f32 in memory)."""
+    """The abstract maps tree for these exits (`MAP_DTYPE` in memory)."""
     if not exit_layers:
         raise BackfillMapsError("back-fill maps need at least one exit layer")
     X, span = len(exit_layers), cfg.n_layers - exit_layers[0]
-    return {"a": jax.ShapeDtypeStruct((X, span, cfg.d_model + 1, rank), jnp.float32),
-            "b": jax.ShapeDtypeStruct((X, span, rank, 2 * kv_dim(cfg)), jnp.float32)}
+    return {"a": jax.ShapeDtypeStruct((X, span, cfg.d_model + 1, rank), MAP_DTYPE),
+            "b": jax.ShapeDtypeStruct((X, span, rank, 2 * kv_dim(cfg)), MAP_DTYPE)}
 
 
 def zero_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int = 1) -> Maps:
@@ -98,11 +102,11 @@ def normed_input(h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([n, jnp.ones((*n.shape[:-1], 1), n.dtype)], axis=-1)
 
 
-# On TPU a per-row gather of the maps ([B, J, D+1, r] f32, the rank's 48 padded to 128 lanes)
-# moved 5-7x its bytes at batch >= 8 (SmolLM2, v5e: 154 MB for 21 MB of maps at batch 8,
-# bench/roofline.py's pieces); every slot's correction, then each row's pick, reads each map
-# once (47 MB at batch 8, 72 at 32: more flops, which a TPU has to spare). Elsewhere the gather
-# is the cheaper one (CPU: compute-bound at batch 8; H100: 37 MB at batch 8).
+# On TPU a per-row gather of the maps ([B, J, D+1, r], the rank's 48 padded to 128 lanes)
+# moved 5-7x its bytes at batch >= 8 (SmolLM2, v5e, maps in f32: 154 MB for 21 MB of maps at
+# batch 8, bench/roofline.py's pieces); every slot's correction, then each row's pick, reads
+# each map once (47 MB at batch 8, 72 at 32: more flops, which a TPU has to spare). Elsewhere
+# the gather is the cheaper one (CPU: compute-bound at batch 8; H100: 37 MB at batch 8).
 TPU_GATHER_MAX_ROWS = 4
 
 
@@ -192,8 +196,8 @@ def save_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...], maps: Maps
 
 
 def load_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...]) -> tuple[Maps, dict]:
-    """(maps in f32, info) from folder/FILE; a clear error if they were fitted for another
-    model or other exits."""
+    """(maps in `MAP_DTYPE`, info) from folder/FILE; a clear error if they were fitted for
+    another model or other exits."""
     import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)
     from safetensors import safe_open
 
@@ -217,12 +221,12 @@ def load_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...]) -> tuple[M
             raise BackfillMapsError(f"back-fill maps in {path} were fitted for exit layers "
                                     f"{list(saved_exits)}, not {list(exit_layers)}")
         shapes = map_shapes(cfg, exit_layers, rank)
-        out = {k: np.zeros(s.shape, np.float32) for k, s in shapes.items()}
+        out = {k: np.zeros(s.shape, s.dtype) for k, s in shapes.items()}
         first = exit_layers[0]
         for s, e in enumerate(exit_layers):
             if e + 1 < cfg.n_layers:
                 for k in ("a", "b"):
-                    t = f.get_tensor(f"{k}.{e}").astype(np.float32)
+                    t = f.get_tensor(f"{k}.{e}").astype(out[k].dtype)
                     want = out[k][s, e + 1 - first:].shape
                     if t.shape != want:
                         raise BackfillMapsError(f"back-fill map {k}.{e} in {path} has shape "
