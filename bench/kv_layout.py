@@ -49,9 +49,8 @@ def main(argv=None) -> int:
     config = EngineConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
                           page_size=16, batch_buckets=tuple(args.batches))
     target = aot.parse_target(args.target)
-    kernel = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[target.platform]
-    base = aot.Plan.make(cfg, target, config, ec, kinds=("decode",), attention=kernel)
-    print(f"{args.model} on {args.target}, {kernel}, {base.num_pages} pages of 16, "
+    base = aot.Plan.make(cfg, target, config, ec, kinds=("decode",))  # the target's kernel
+    print(f"{args.model} on {args.target}, {base.attention}, {base.num_pages} pages of 16, "
           f"max_model_len {args.max_model_len}\n")
     print("| pool | program | batch | pages a row | bytes accessed (MB) | temporaries (MB) "
           "| arguments (MB) | pool-sized copies |\n|---|---|---:|---:|---:|---:|---:|---|")

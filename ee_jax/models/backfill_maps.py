@@ -105,7 +105,7 @@ def normed_input(h: jax.Array, cfg: ModelConfig) -> jax.Array:
 # On TPU a per-row gather of the maps ([B, J, D+1, r], the rank's 48 padded to 128 lanes)
 # moved 5-7x its bytes at batch >= 8 (SmolLM2, v5e, maps in f32: 154 MB for 21 MB of maps at
 # batch 8, bench/roofline.py's pieces); every slot's correction, then each row's pick, reads
-# each map once (47 MB at batch 8, 72 at 32: more flops, which a TPU has to spare). Elsewhere
+# each map once (51 MB at batch 8, 89 at 32: more flops, which a TPU has to spare). Elsewhere
 # the gather is the cheaper one (CPU: compute-bound at batch 8; H100: 37 MB at batch 8).
 TPU_GATHER_MAX_ROWS = 4
 
