@@ -392,7 +392,7 @@ def target_platform(platform: str):
         _TARGET.reset(token)
 
 
-def platform() -> str:
+def current_platform() -> str:
     """The platform programs are being built for: the `target_platform`, else JAX's default
     backend ("cpu", "tpu", "gpu")."""
     return (_TARGET.get() or jax.default_backend()).lower()
@@ -403,14 +403,14 @@ def backend_name(name: str = "auto", platform: str | None = None) -> str:
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: choose one of "
                          f"{['auto', *BACKENDS]}")
-    platform = (platform or _TARGET.get() or jax.default_backend()).lower()
+    platform = platform.lower() if platform else current_platform()
     return _AUTO.get(platform, "xla") if name == "auto" else name
 
 
 def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
     """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
     elsewhere. `platform` defaults to the `target_platform`, else JAX's default backend."""
-    platform = (platform or _TARGET.get() or jax.default_backend()).lower()
+    platform = platform.lower() if platform else current_platform()
     name = backend_name(name, platform)
     kernel_platform = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
     if name in kernel_platform and platform not in kernel_platform[name]:
@@ -421,6 +421,6 @@ def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "Backend", "backend_name", "follows_lengths", "layer_pages", "pallas_gpu",
-           "pallas_tpu", "platform", "reference", "select_backend", "target_platform",
-           "tpu_kernel_fits", "xla"]
+__all__ = ["BACKENDS", "Backend", "backend_name", "current_platform", "follows_lengths",
+           "layer_pages", "pallas_gpu", "pallas_tpu", "reference", "select_backend",
+           "target_platform", "tpu_kernel_fits", "xla"]

@@ -428,7 +428,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # at L and 0); under "deferred_learned" both the row's token and its pending one are
     # filled from their states at the row's exit, so one slot a row serves both
     learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0],
-                       backfill_maps.gathers(attention_kernels.platform(), B))
+                       backfill_maps.gathers(attention_kernels.current_platform(), B))
                if uses_maps(ec.backfill) else None)
     if not deferred:
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
