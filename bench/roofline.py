@@ -3,18 +3,18 @@
 For each model shape and target, the decode step's pieces are compiled (TPU, ahead of time
 on this host, with memory-space assignment off so that the bytes are HBM bytes: see
 TPU_COUNT_OPTIONS; CUDA, by XLA's GPU compiler without a GPU, in the cuda-aot venv: `make
-roofline`) or, for CUDA without that compiler, lowered (the HLO before optimisation,
-unfused) on their own, and
-XLA's cost analysis gives their flops and bytes: one decoder layer (unstacked weights) whose
-attention reads the rows' K/V given as an input of the read size, plus this token's K/V write
-counted by hand (XLA counts an in-place scatter by its pool, and a page gather by its
-relayout copies: both replaced, see `pieces`); on TPU and CUDA, where the engine attends with
-a Pallas kernel XLA cannot see into, attention's core counted as the kernel moves it (the
-rows' pages once, q and the output) in place of the XLA stand-in's own count; the fixed
-part (embed, final head, greedy pick); an exit check (first and later); one layer's
-back-fill (`llama.kv_project`). `ee_jax.serving.roofline` composes them into a step,
-weighted by an exit histogram, and predicts max(flops / peak, bytes / bandwidth) with
-published peaks.
+roofline`, its GEMMs counted in one pass, CUDA_COUNT_OPTIONS, and a step of one row at the
+engine's smallest GPU bucket, two rows) or, for CUDA without that compiler, lowered (the HLO
+before optimisation, unfused) on their own, and XLA's cost analysis gives their flops and
+bytes: one decoder layer (unstacked weights) whose attention reads the rows' K/V given as an
+input of the read size, plus this token's K/V write counted by hand (XLA counts an in-place
+scatter by its pool, and a page gather by its relayout copies: both replaced, see `pieces`);
+on TPU and CUDA, where the engine attends with a Pallas kernel XLA cannot see into,
+attention's core counted as the kernel moves it (the rows' pages once, q and the output) in
+place of the XLA stand-in's own count; the fixed part (embed, final head, greedy pick); an
+exit check (first and later); one layer's back-fill (`llama.kv_project`).
+`ee_jax.serving.roofline` composes them into a step, weighted by an exit histogram, and
+predicts max(flops / peak, bytes / bandwidth) with published peaks.
 
 On TPU every piece runs with the weights and the KV pool in the entry layouts the compiled
 full-depth step at the largest batch picks (`step_formats`: Layout.AUTO, settled), the exit
@@ -71,6 +71,7 @@ from ee_jax.serving.kv_cache import (
 )
 from ee_jax.serving.paged_model import paged_layer
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
+from ee_jax.serving.scheduler import default_batch_buckets
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
@@ -113,6 +114,14 @@ def _place(tree, target: aot.Target):
 # Compiled with MSA off every operand is read from HBM once (1.80 MB): the count a roofline
 # over HBM bandwidth needs. The programs otherwise compile the same (fusions, layouts).
 TPU_COUNT_OPTIONS = {"xla_msa_enable": False}
+# A CUDA compile without a GPU cannot autotune, and XLA's default tiling of a small-M GEMM
+# splits K (8 ways for [32, 576] x [576, 576]) with f32 partial sums [8, M, N] written and
+# read back: 1.4x the operands' bytes at batch 8, 1.6-2.6x at 32 (`bench.cuda_dots`). One
+# pass (split_k 1, among a device autotuner's candidates) reads every weight once, the
+# count a roofline over HBM bandwidth needs; what a device's autotuner picks is for a device
+# to say (bench/device.sh).
+CUDA_COUNT_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+COUNT_OPTIONS = {"tpu": TPU_COUNT_OPTIONS, "cuda": CUDA_COUNT_OPTIONS}
 
 
 def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
@@ -122,23 +131,22 @@ def cost(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
     return cost_and_copies(fn, args, target, donate, auto, out)[0]
 
 
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 def copy_bytes(hlo_text: str) -> float:
     """Bytes the top-level `copy` instructions of a compiled module move (read + write of
     each's logical shape, `layouts.copies`): the relayouts the compiler planned (e.g. a
     weight transposed to suit the matmul it feeds), real traffic a hand count of weights and
     K/V leaves out."""
-    return sum(2 * float(np.prod(shape)) * _HLO_BYTES[dt]
+    return sum(2 * aot.hlo_shape_bytes(dt, ",".join(map(str, shape)))
                for dt, shape in layouts.copies(hlo_text))
 
 
 def compile_for(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
                 auto: tuple[int, ...] = (), out=None):
-    """fn(*args) compiled for `target` (TPU: counted with MSA off); on TPU the args at `auto`
+    """fn(*args) compiled for `target` (TPU: counted with MSA off; CUDA: GEMMs in one
+    pass, `COUNT_OPTIONS`); on TPU the args at `auto`
     in the entry layouts XLA picks, the others as placed, the outputs in `out` (formats: a
     donated cache must come back in its own) (`layouts.lower`)."""
-    opts = TPU_COUNT_OPTIONS if target.platform == "tpu" else {}
+    opts = COUNT_OPTIONS.get(target.platform, {})
     with attention_kernels.target_platform(target.platform):
         placed = _place(args, target)
         if target.platform == "tpu":
@@ -316,9 +324,11 @@ def _out(fmts, n: int):
 
 
 def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
-           step: bool = True, pin: int | None = None) -> Measured:
-    """The pieces of a decode step at batch B over W pages a row (ec None: no checks;
-    step False: the compiled full-depth step is not built).
+           step: bool = True, pin: int | None = None, rows: int | None = None) -> Measured:
+    """The pieces of a decode step at batch bucket B over W pages a row, `rows` of them real
+    (default B; the others padding, whose attention reads no key: on GPU a step of one row
+    runs at bucket 2, `scheduler.default_batch_buckets`) (ec None: no checks; step False:
+    the compiled full-depth step is not built).
 
     layer(B) = XLA's count of one decoder layer (unstacked weights) whose attention reads the
     rows' K/V given as an input of the read size [B, W*16, K, hd], plus this token's K/V
@@ -369,6 +379,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                    lambda q, _k, _v: (attend_rows(q, k, v, m, cfg), None))[0]
 
     hl = hand_layer(cfg, B, W, kdt.itemsize, kv_hd)
+    kv_read = hand_layer(cfg, rows or B, W, kdt.itemsize, kv_hd).kv_read  # the real rows'
     stand_in, layer_copies = cost_and_copies(layer_fn, (lp, x, pos, kv, kv, meta), target)
     # Attention's core as the kernels move it: XLA cannot count inside a Mosaic (or Triton)
     # call, and the XLA stand-in writes its f32 scores and softmax passes to HBM, which a
@@ -377,7 +388,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     # On CPU the engine attends with XLA (the `xla` backend): the stand-in stays.
     q = sds((B, 1, cfg.n_heads, cfg.head_dim), dt)
     attn = cost(lambda q, k, v, m: attend_rows(q, k, v, m, cfg), (q, kv, kv, meta), target)
-    kernel = Cost(attn.flops, hl.kv_read + 2 * B * cfg.n_heads * kv_hd * it)
+    kernel = Cost(attn.flops, kv_read + 2 * B * cfg.n_heads * kv_hd * it)
     layer_xla = stand_in - attn + kernel if target.platform in KERNEL_PLATFORMS else stand_in
     layer = layer_xla + Cost(0.0, hl.kv_write)
     # deferred's pending token as a second query a row: what it adds to the layer, plus its
@@ -385,7 +396,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     meta2 = AttentionMetadata(sds((B, 2), jnp.int32), meta.page_table, meta.kv_lens)
     layer2 = cost(layer_fn, (lp, sds((B, 2, cfg.d_model), dt), sds((B, 2), jnp.int32), kv, kv,
                              meta2), target)
-    ride = layer2 - layer_xla + Cost(0.0, hl.kv_read + hl.kv_write)
+    ride = layer2 - layer_xla + Cost(0.0, kv_read + hl.kv_write)
 
     # The fixed part: the head on the last hidden state (XLA's count), and the embedding
     # lookup of B tokens counted by hand (B rows) plus the relayout copies its compile holds:
@@ -442,7 +453,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     if step:  # the step's own layer: attention "reference" over the pool, the cache donated
         pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
                           (p1, x, c1, meta), target, donate=(2,), out=_out(fmts, 1))
-    parts = {LAYER: (layer_xla, hl.total - hl.kv_write),
+    parts = {LAYER: (layer_xla, hl.total - hl.kv_write - hl.kv_read + kv_read),
              STAND_IN: (stand_in, hl.total - hl.kv_write),
              "attention stand-in alone": (attn, kernel.bytes),
              POOL: (pool_layer, hl.total),
@@ -603,12 +614,14 @@ def main(argv=None) -> int:
             rows = {}
             for B in args.batches:
                 t0 = time.perf_counter()
+                bucket = bucket_of(B, target)
                 try:
-                    m = pieces(cfg, ec, B, W, target, pin=max(args.batches))
+                    m = pieces(cfg, ec, bucket, W, target, pin=max(args.batches), rows=B)
                 except Exception as e:  # e.g. the model does not fit one chip's HBM
                     msg = " ".join(str(e).split())[:160]
                     log(f"{model} {target.name} B={B}: FAILED {msg}")
-                    checks_lines.append(f"| {model} | {target.name} | {B} | failed: {msg} "
+                    checks_lines.append(f"| {model} | {target.name} | "
+                                        f"{batch_label(B, target)} | failed: {msg} "
                                         f"| | | | | | | |")
                     continue
                 rows[B] = m
@@ -621,7 +634,8 @@ def main(argv=None) -> int:
                 sc = m.copies["step"]
                 step_copies = f" (copies {sc / 1e6:.1f})" if sc >= 5e4 else ""
                 checks_lines.append(
-                    f"| {model} | {target.name} | {B} | {comp.bytes / 1e6:.1f} | "
+                    f"| {model} | {target.name} | {batch_label(B, target)} | "
+                    f"{comp.bytes / 1e6:.1f} | "
                     f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
                     f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
                     f"{_mb(m.step)}{step_copies} | "
@@ -629,11 +643,13 @@ def main(argv=None) -> int:
                     f"{alt.bytes / 1e6:.1f} ({alt.bytes / an - 1:+.1%}) |")
                 for name, (c, hand) in m.parts.items():
                     cp = m.copies.get(name.split(" (")[0], 0.0)
-                    parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
+                    parts_lines.append(f"| {model} | {target.name} | "
+                                       f"{batch_label(B, target)} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {cp / 1e6:.2f} | "
                                        f"{hand / 1e6:.2f} | {c.bytes / hand:.2f}x |")
                 for name, c in (("first check", m.pieces.first), ("later check", m.pieces.check)):
-                    parts_lines.append(f"| {model} | {target.name} | {B} | {name} | "
+                    parts_lines.append(f"| {model} | {target.name} | "
+                                       f"{batch_label(B, target)} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {m.copies[name] / 1e6:.2f} "
                                        f"| | |")
                 log(f"{model} {target.name} B={B}: pieces in {time.perf_counter() - t0:.0f}s; "
@@ -698,6 +714,16 @@ TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full d
               "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|")
 
 
+def bucket_of(B: int, target: aot.Target) -> int:
+    """The batch bucket the engine pads B rows to on the target (GPU: two rows for one)."""
+    return min(b for b in default_batch_buckets(target.platform) if b >= B)
+
+
+def batch_label(B: int, target: aot.Target) -> str:
+    bucket = bucket_of(B, target)
+    return str(B) if bucket == B else f"{B} ({bucket} rows)"
+
+
 def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
     """Rows of the prediction table for one model on one chip."""
     L = cfg.n_layers
@@ -726,7 +752,8 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
 
         t_an = max(analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target)) / chip.hbm_bytes_per_s,
                    full.flops / chip.peak_flops)
-        out.append(f"| {model} | {chip.name} ({how}) | {B} | {t_full * 1e3:.3f} | {bound} | "
+        out.append(f"| {model} | {chip.name} ({how}) | {batch_label(B, target)} | "
+                   f"{t_full * 1e3:.3f} | {bound} | "
                    f"{t_an * 1e3:.3f} | "
                    f"{forced(half, 'propagate')} | "
                    f"{forced(tq, 'propagate')} | "

@@ -573,7 +573,7 @@ def test_one_program_per_shape_whatever_the_exits(inf_engine):
     assert set(used) <= set(runner.traces)
     decode = [s for s in runner.traces if s.tokens == 1]
     page_buckets = {s.pages for s in runner.traces}
-    assert len(decode) <= len(inf_engine.config.batch_buckets) * len(page_buckets)
+    assert len(decode) <= len(inf_engine.scheduler.config.batch_buckets) * len(page_buckets)
     # Different exit outcomes ran through one and the same program.
     assert max(len(used[s]) for s in decode if s in used) >= 2, dict(used)
 

@@ -24,6 +24,7 @@ from ee_jax.models.exit_config import ExitConfig
 from ee_jax.random_model import random_config
 from ee_jax.serving import aot, attention_kernels
 from ee_jax.serving.engine import EngineConfig
+from ee_jax.serving.scheduler import default_batch_buckets
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -227,6 +228,73 @@ def test_cuda_compiled_bytes_are_the_fused_programs():
     plain = jax.ShapeDtypeStruct(x.shape, x.dtype)
     unfused = jax.jit(f).trace(plain).lower(lowering_platforms=("cuda",)).cost_analysis()
     assert unfused["bytes accessed"] >= 2 * fused
+
+
+@needs_cuda_aot
+def test_gpu_smallest_bucket_reads_each_weight_once():
+    """Why the engine's GPU buckets start at two rows (`scheduler.default_batch_buckets`):
+    XLA's GPU compiler turns a one-row product into a multiply that writes the [D, F]
+    product and a reduction that reads it back, ~3x the weights; at the smallest GPU bucket
+    SmolLM2's MLP reads its weights once (the operands' bytes by hand)."""
+    dev = aot.target_devices(aot.parse_target("cuda:h100"))[0]
+    s = jax.sharding.SingleDeviceSharding(dev)
+    D, F = 576, 1536
+    w = jax.ShapeDtypeStruct((D, F), jnp.bfloat16, sharding=s)
+    wd = jax.ShapeDtypeStruct((F, D), jnp.bfloat16, sharding=s)
+
+    def mlp(x, wg, wu, wd):
+        return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+    def counted(rows):
+        x = jax.ShapeDtypeStruct((rows, D), jnp.bfloat16, sharding=s)
+        return aot.cost_of(jax.jit(mlp).lower(x, w, w, wd).compile())[1]
+
+    weights = 3 * D * F * 2
+    assert counted(1) > 2 * weights
+    rows = min(default_batch_buckets("gpu"))
+    assert rows == 2 and counted(rows) == pytest.approx(weights, rel=0.1)
+
+
+def test_gpu_steps_run_one_row_at_two():
+    """The engine's rule as every GPU program is built from it: no one-row step on GPU (a
+    one-row request pads to two), one-row steps elsewhere."""
+    assert 1 not in {s.batch for s in _full_plan("cuda").shapes}
+    assert 1 in {s.batch for s in _full_plan("tpu:v5e").shapes}
+    assert EngineConfig().scheduler_config(platform="gpu").batch_bucket(1) == 2
+    assert EngineConfig().scheduler_config(platform="cpu").batch_bucket(1) == 1
+    # buckets given are kept as given, on GPU too
+    given = EngineConfig(max_num_seqs=4, batch_buckets=(1, 4))
+    assert given.scheduler_config(platform="gpu").batch_bucket(1) == 1
+
+
+def _full_plan(target: str) -> aot.Plan:
+    return aot.Plan.make(CFG, aot.parse_target(target), CONFIG, EC)
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda:h100", marks=needs_cuda_aot)])
+def test_fused_gathers_are_charged_what_they_read(target):
+    """XLA's generic cost analysis charges a fused gather's table whole; `aot.cost_of`
+    charges the rows it reads (8 candidates a row of an 8192-row head, as an exit check
+    scores them), and a table also read whole stays charged whole."""
+    dev = jax.devices("cpu")[0] if target == "cpu" else \
+        aot.target_devices(aot.parse_target(target))[0]
+    s = jax.sharding.SingleDeviceSharding(dev)
+    V, D, B, C = 8192, 576, 2, 8
+    table = jax.ShapeDtypeStruct((V, D), jnp.bfloat16, sharding=s)
+    ids = jax.ShapeDtypeStruct((B, C), jnp.int32, sharding=s)
+    x = jax.ShapeDtypeStruct((B, D), jnp.float32, sharding=s)
+
+    def scores(t, i, x):  # [B, C]
+        return (jnp.take(t, i, axis=0).astype(jnp.float32) * x[:, None, :]).sum(-1)
+
+    def scores_and_norm(t, i, x):
+        return scores(t, i, x), jnp.sum(t.astype(jnp.float32) ** 2)
+
+    read = B * C * D * 2 + B * C * 4 + B * D * 4 + B * C * 4  # rows, ids, x, out
+    _, nbytes = aot.cost_of(jax.jit(scores).lower(table, ids, x).compile())
+    assert read <= nbytes < V * D * 2 / 50  # CPU: also its f32 [B, C, D] product
+    _, whole = aot.cost_of(jax.jit(scores_and_norm).lower(table, ids, x).compile())
+    assert whole >= V * D * 2
 
 
 def test_bad_gpu_block_shape_is_refused_at_export():

@@ -44,7 +44,13 @@ from ee_jax.serving.params import (
     RequestOutput,
     SamplingParams,
 )
-from ee_jax.serving.scheduler import Schedule, Scheduler, SchedulerConfig, Sequence
+from ee_jax.serving.scheduler import (
+    Schedule,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    default_batch_buckets,
+)
 from ee_jax.serving.sharding import MeshSpec
 from ee_jax.serving.stats import EngineStats
 
@@ -77,7 +83,9 @@ class EngineConfig:
     kv_dtype: str | None = None  # default: the model's dtype
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # rows a step pads to; None: `scheduler.default_batch_buckets` of the platform (from 2
+    # rows on GPU, where XLA's one-row products read their weights ~3x)
+    batch_buckets: tuple[int, ...] | None = None
     # Prefill and mixed steps' shapes (SchedulerConfig): rows padded to at least one per
     # prefill_row_tokens packed tokens, page tables of these widths (None: pages_per_seq).
     prefill_row_tokens: int | None = 64
@@ -104,7 +112,8 @@ class EngineConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk, batch_buckets=self.batch_buckets,
+            max_prefill_chunk=self.max_prefill_chunk,
+            batch_buckets=self.batch_buckets or default_batch_buckets(platform),
             prefill_row_tokens=self.prefill_row_tokens,
             prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps,
             decode_page_ladder=attention is None or not follows_lengths(attention, platform))
@@ -173,7 +182,7 @@ class LLMEngine:
                                                  sharding=cache_sharding,
                                                  head_major=head_major),
                                   exit_config, exit_heads, attention=attention,
-                                  max_batch=max(config.batch_buckets), mesh=mesh,
+                                  max_batch=max(sched_cfg.batch_buckets), mesh=mesh,
                                   layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
                                                             exit_config is not None))
         self.controller = None

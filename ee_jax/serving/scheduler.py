@@ -22,6 +22,23 @@ from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.model_runner import QUERY_BLOCK, StepShape, query_blocks
 from ee_jax.serving.params import RequestMetrics, SamplingParams
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def default_batch_buckets(platform: str | None = None) -> tuple[int, ...]:
+    """The batch buckets steps pad their rows to, on `platform` (None: any).
+
+    On GPU the smallest is 2 rows: XLA's GPU compiler rewrites a one-row product
+    [1, D] x [D, F] into a multiply that writes the whole [D, F] product and a column
+    reduction that reads it back (its dot strength reduction; no flag turns it off), so a
+    one-row decode step moves ~3x its projections' weights; two rows compile to a GEMM that
+    reads them once (docs/roofline.md, `bench.cuda_dots`). The padded row attends to no key.
+    """
+    if platform is not None and platform.lower() in GPU_PLATFORMS:
+        return tuple(b for b in BATCH_BUCKETS if b >= 2)
+    return BATCH_BUCKETS
+
 
 @dataclasses.dataclass
 class Sequence:
@@ -76,7 +93,7 @@ class SchedulerConfig:
     page_size: int = 16
     max_num_batched_tokens: int = 2048  # prefill token budget per step
     max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    batch_buckets: tuple[int, ...] = BATCH_BUCKETS
     min_page_bucket: int = 4  # decode steps' narrowest page table
     # Decode page tables take widths on a ladder (`_next_bucket`, from min_page_bucket), for
     # attention whose cost follows the table's width; False: pages_per_seq alone, for
