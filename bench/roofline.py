@@ -438,15 +438,19 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                               target)
     maps = Cost(0.0, 0.0)
     maps_hand = 0.0
-    if ec is not None:  # the fitted maps' correction of the rows that left (all B here)
+    if ec is not None:  # the fitted maps' correction of the rows that left: all real rows
+        # (padding never leaves: at a GPU batch of 1 the two-row step's `lax.cond` runs its
+        # one-row branch, which is this program; XLA's count of the cond would be its
+        # costlier branch, the one not run)
+        R = rows or B
         mshape = backfill_maps.map_shapes(cfg, ec.exit_layers, backfill_maps.DEFAULT_RANK)
-        slots = sds((B,), jnp.int32)
         gather = backfill_maps.gathers(target.platform, B)  # as the step decides
         maps = cost(lambda m, s, h, p: backfill_maps.kv_correction(m, s, h, p, cfg, gather),
-                    (mshape, slots, x, pos), target)
+                    (mshape, sds((R,), jnp.int32), sds((R, 1, cfg.d_model), dt),
+                     sds((R, 1), jnp.int32)), target)
         span = cfg.n_layers - ec.exit_layers[0]
         # each row's maps for every layer above the first exit, and the corrections out (f32)
-        maps_hand = B * (sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+        maps_hand = R * (sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
                              for a in mshape.values())
                          + span * 2 * backfill_maps.kv_dim(cfg) * 4)
     pool_layer = Cost(0.0, 0.0)

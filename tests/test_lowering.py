@@ -295,6 +295,17 @@ def test_fused_gathers_are_charged_what_they_read(target):
     assert read <= nbytes < V * D * 2 / 50  # CPU: also its f32 [B, C, D] product
     _, whole = aot.cost_of(jax.jit(scores_and_norm).lower(table, ids, x).compile())
     assert whole >= V * D * 2
+    # a conditional is charged as its costlier branch: a gather in one never discounts the
+    # other's whole read
+    other = jax.ShapeDtypeStruct((V // 2, D), jnp.bfloat16, sharding=s)
+    flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=s)
+
+    def either(t, u, i, x, p):
+        return jax.lax.cond(p, lambda: scores(t, i, x),
+                            lambda: (u.astype(jnp.float32).sum(-1)[:B * C]).reshape(B, C))
+
+    _, cond = aot.cost_of(jax.jit(either).lower(table, other, ids, x, flag).compile())
+    assert cond >= V // 2 * D * 2
 
 
 def test_bad_gpu_block_shape_is_refused_at_export():

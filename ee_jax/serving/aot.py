@@ -357,32 +357,50 @@ def gather_excess(hlo_text: str) -> float:
     client) charges beyond what gathers read: inside a fusion, a parameter whose only uses
     are gathers of it is charged whole (its `FusionParameterReadBytes` knows slices, not
     gathers), though each gather reads its output's worth. An exit check's gather of 8
-    candidate rows from the 8192-row head: 9.4 MB charged for 9.2 kB a row."""
-    excess: dict[str, float] = {}  # fused computation -> bytes over-charged per call
-    calls: list[str] = []
-    name, body = None, []
+    candidate rows from the 8192-row head: 9.4 MB charged for 9.2 kB a row. Mirrors how the
+    analysis walks the module: a while body once, a conditional as its costliest branch
+    (which one is not known here, so its least over-charged branch: never too much off)."""
+    bodies: dict[str, list[str]] = {}
+    name = None
     for line in hlo_text.splitlines():
-        h = _HEADER.match(line)
+        h = _HEADER.match(line) or (line.startswith("ENTRY ") and _HEADER.match(line[6:]))
         if h:
-            name, body = h.group(1), []
-            continue
-        if line.startswith("}") and name is not None:
-            instrs = [m for m in map(_INSTR.match, body) if m]
-            over = 0.0
-            for m in instrs:
-                if m.group(4) == "parameter":
-                    read = _gathered(m.group(1), instrs)
-                    if read is not None:
-                        size = hlo_shape_bytes(m.group(2), m.group(3))
-                        over += max(0.0, size - read * _HLO_ITEMSIZE.get(m.group(2), 4))
-            if over:
-                excess[name] = over
+            name = "ENTRY" if line.startswith("ENTRY ") else h.group(1)
+            bodies[name] = []
+        elif line.startswith("}"):
             name = None
-            continue
-        body.append(line)
-        if " fusion(" in line and "calls=%" in line:
-            calls.append(line.split("calls=%")[1].split(",")[0].split()[0])
-    return sum(excess.get(c, 0.0) for c in calls)
+        elif name is not None:
+            bodies[name].append(line)
+
+    @functools.cache
+    def fused(comp: str) -> float:  # bytes over-charged per call of a fused computation
+        instrs = [m for m in map(_INSTR.match, bodies.get(comp, ())) if m]
+        over = 0.0
+        for m in instrs:
+            if m.group(4) == "parameter":
+                read = _gathered(m.group(1), instrs)
+                if read is not None:
+                    size = hlo_shape_bytes(m.group(2), m.group(3))
+                    over += max(0.0, size - read * _HLO_ITEMSIZE.get(m.group(2), 4))
+        return over
+
+    @functools.cache
+    def walk(comp: str) -> float:  # a computation the analysis runs: its fusions' excess
+        total = 0.0
+        for line in bodies.get(comp, ()):
+            callees = re.findall(r"(?:calls|body|true_computation|false_computation)=%([\w.\-]+)"
+                                 r"|branch_computations=\{([^}]*)\}", line)
+            if " fusion(" in line:
+                total += sum(fused(c) for c, _ in callees if c)
+            elif " conditional(" in line:
+                branches = [c for c, _ in callees if c] + [
+                    b.strip().lstrip("%") for _, bs in callees if bs for b in bs.split(",")]
+                total += min((walk(b) for b in branches), default=0.0)
+            elif " while(" in line:
+                total += sum(walk(c) for c, _ in callees if c)
+        return total
+
+    return walk("ENTRY")
 
 
 def _gathered(value: str, instrs: list) -> float | None:
