@@ -106,7 +106,8 @@ def normed_input(h: jax.Array, cfg: ModelConfig) -> jax.Array:
 # moved 5-7x its bytes at batch >= 8 (SmolLM2, v5e, maps in f32: 154 MB for 21 MB of maps at
 # batch 8, bench/roofline.py's pieces); every slot's correction, then each row's pick, reads
 # each map once (51 MB at batch 8, 89 at 32: more flops, which a TPU has to spare). Elsewhere
-# the gather is the cheaper one (CPU: compute-bound at batch 8; H100: 37 MB at batch 8).
+# the gather is the cheaper one (CPU: compute-bound at batch 8; H100: 11 MB at batch 8, the
+# rows' maps by hand 10.5).
 TPU_GATHER_MAX_ROWS = 4
 
 
