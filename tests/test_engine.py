@@ -67,6 +67,15 @@ def test_output_does_not_depend_on_batch_mates(reference, shared):
     assert alone.token_ids == crowd.token_ids == reference[3]
 
 
+def test_one_sequence_in_two_row_steps_equals_the_reference(reference):
+    """GPU's buckets (`scheduler.default_batch_buckets`: from 2 rows) on this CPU: one
+    running sequence at a time, every step padded to two rows, tokens as the reference's."""
+    engine = make_engine(max_num_seqs=1, batch_buckets=(2, 4))
+    outs = run(engine, PROMPTS[:3], greedy(MAX_NEW))
+    assert [o.token_ids for o in outs] == reference[:3]
+    assert {s.batch for s in engine.runner.traces} == {2}
+
+
 def test_seeded_sampling_reproducible_across_batches(shared):
     sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, seed=1234)
     a = run(shared, [PROMPTS[2]], sp)[0]
