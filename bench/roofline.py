@@ -484,8 +484,9 @@ def _argmax_and_cache(out):
 
 
 def write_count_example(target: aot.Target) -> tuple[float, float, float]:
-    """(XLA's bytes for writing one token's K/V into a donated pool, the bytes written, the
-    pool's bytes): cost analysis counts an in-place scatter by its operand, not its update."""
+    """(the counted bytes of writing one token's K/V into a donated pool, the bytes written,
+    the pool's bytes): XLA's cost analysis counts an in-place scatter by its operand, not its
+    update (on CPU and CUDA `aot.cost_of` takes the excess off)."""
     cfg = aot.shape_config("smollm2-135m")
     c1 = dataclasses.replace(cfg, n_layers=1)
     B, P = 8, 8 * 32 + 1
@@ -689,7 +690,8 @@ def main(argv=None) -> int:
               if aot.parse_target(t).compiles]
         for t, (xla, written, pool) in ex:
             lines.append(f"\nK/V write of 8 tokens into a donated pool (SmolLM2 layer, 257 "
-                         f"pages), {t}: XLA counts {xla / 1e6:.2f} MB; written "
+                         f"pages), {t}: counted {xla / 1e6:.2f} MB (`aot.cost_of`: XLA's own "
+                         f"count on TPU, less `aot.gather_excess` on CPU and CUDA); written "
                          f"{written / 1e3:.1f} kB; the pool is {pool / 1e6:.2f} MB.")
         if any(aot.parse_target(t).platform == "tpu" for t in args.targets):
             t = aot.parse_target(next(t for t in args.targets if t.startswith("tpu")))

@@ -308,6 +308,33 @@ def test_fused_gathers_are_charged_what_they_read(target):
     assert cond >= V // 2 * D * 2
 
 
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda:h100", marks=needs_cuda_aot)])
+def test_in_place_scatters_are_charged_their_updates(target):
+    """A K/V write of 8 tokens into a donated pool moves the tokens, not the pool (XLA's
+    generic cost analysis charges the pool read and written); into a pool not donated, the
+    copy the program must make of it stays charged. In the engine's dtype on each (CPU f32:
+    a bf16 scatter there converts the whole pool to f32 and back, which is real traffic)."""
+    dev = jax.devices("cpu")[0] if target == "cpu" else \
+        aot.target_devices(aot.parse_target(target))[0]
+    s = jax.sharding.SingleDeviceSharding(dev)
+    dt = jnp.dtype(jnp.float32 if target == "cpu" else jnp.bfloat16)
+    P, S, K, hd, B = 257, 16, 3, 64, 8
+    pool = jax.ShapeDtypeStruct((P, S, K, hd), dt, sharding=s)
+    slot = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=s)
+    new = jax.ShapeDtypeStruct((B, K, hd), dt, sharding=s)
+
+    def write(c, page, off, kv):
+        return c.at[page, off].set(kv)
+
+    pool_bytes = P * S * K * hd * dt.itemsize
+    moved = B * K * hd * dt.itemsize + 2 * B * 4
+    _, donated = aot.cost_of(jax.jit(write, donate_argnums=0).lower(pool, slot, slot, new)
+                             .compile())
+    assert moved <= donated < 4 * moved < pool_bytes / 50
+    _, copied = aot.cost_of(jax.jit(write).lower(pool, slot, slot, new).compile())
+    assert copied >= 2 * pool_bytes
+
+
 def test_bad_gpu_block_shape_is_refused_at_export():
     """The Pallas GPU kernel's block_h must be a multiple of 16: export refuses 8."""
     from jax import export
