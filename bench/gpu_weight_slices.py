@@ -5,7 +5,11 @@ one pass) and the weight copies in the compiled module:
 * stacked, `fori_loop` (the engine's program): the body counted once, so compare it with the
   roofline's fixed + one pool layer;
 * stacked, a Python loop (static layer index);
-* unstacked: each layer's weights a separate argument, a Python loop.
+* unstacked: each layer's weights a separate argument, a Python loop;
+
+and the engine's program under XLA options that might avoid the copies (`OPTION_ROWS`): GEMMs
+by cuBLAS (whose calls the cost analysis does not count: its MB is the rest), dynamic-slice
+fusion (a library GEMM addressing a slice in place), XLA's own full unrolling of the loop.
 
 Against the pieces the roofline composes (fixed + L pool layers, the pool layer as the step
 runs it: attention "reference" over the pool). docs/roofline.md, "The compiled CUDA step
@@ -57,11 +61,21 @@ def unstacked_python_loop(cfg):
     return step
 
 
-def compiled(fn, args, donate: int):
+OPTION_ROWS = {  # the engine's program (stacked, fori_loop) under these XLA GPU options
+    "stacked, fori_loop, GEMMs by cuBLAS": {"xla_gpu_enable_triton_gemm": False},
+    "stacked, fori_loop, dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "stacked, fori_loop, cuBLAS + dynamic-slice fusion": {
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True},
+    "stacked, fori_loop, XLA's full unrolling": {
+        "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
+}
+
+
+def compiled(fn, args, donate: int, options: dict | None = None):
     target = aot.parse_target("cuda:h100")
     with attention_kernels.target_platform("cuda"):
         return jax.jit(fn, donate_argnums=(donate,)).lower(*_place(args, target)).compile(
-            compiler_options=CUDA_COUNT_OPTIONS)
+            compiler_options={**CUDA_COUNT_OPTIONS, **(options or {})})
 
 
 def main(argv=None) -> int:
@@ -91,11 +105,17 @@ def main(argv=None) -> int:
                  (params, cache, tokens, meta, th), 1, fixed + L * pool_layer),
                 ("unstacked, Python loop", unstacked_python_loop(cfg),
                  (rest, layers, cache, tokens, meta), 2, fixed + L * pool_layer)]
-        for name, fn, a, donate, want in runs:
-            c = compiled(fn, a, donate)
+        runs += [(name, full_step_fn(cfg), (params, cache, tokens, meta, th), 1, None, opts)
+                 for name, opts in OPTION_ROWS.items()]
+        for name, fn, a, donate, want, *opts in runs:
+            try:
+                c = compiled(fn, a, donate, *opts)
+            except Exception as e:  # e.g. an option XLA cannot compile without a GPU
+                print(f"| {B} | {name} | fails: {' '.join(str(e).split())[:90]} | | | |")
+                continue
             ds, st = _copies(c.as_text())
             print(f"| {B} | {name} | {aot.cost_of(c)[1] / 1e6:.1f} | {ds} | {st} | "
-                  f"{want / 1e6:.1f} |", flush=True)
+                  f"{'' if want is None else f'{want / 1e6:.1f}'} |", flush=True)
     return 0
 
 
