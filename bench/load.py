@@ -723,8 +723,9 @@ def http_offline(args, mode: str, prompts: list[list[dict]]) -> dict:
     from ee_jax.serving.params import SamplingParams
 
     kw = dict(max_num_seqs=args.clients, max_model_len=args.max_model_len, progress=False)
-    if mode == "full":
+    if mode == "full":  # the baseline: full depth, stated
         kw["early_exit"] = False
+    # else the engine as shipped (its exit heads and controller), what "early" measures
     elif args.random:
         from ee_jax.models.exit_config import ExitConfig
 

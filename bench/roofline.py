@@ -62,6 +62,7 @@ from bench.common import (
 from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels, layouts
 from ee_jax.serving.attention import AttentionMetadata
+from ee_jax.serving.engine import EngineConfig
 from ee_jax.serving.kv_cache import (
     KVCache,
     cache_shape,
@@ -71,7 +72,6 @@ from ee_jax.serving.kv_cache import (
 )
 from ee_jax.serving.paged_model import paged_layer
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
-from ee_jax.serving.scheduler import default_batch_buckets
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
 PAGE = 16
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
         for t, (xla, written, pool) in ex:
             lines.append(f"\nK/V write of 8 tokens into a donated pool (SmolLM2 layer, 257 "
                          f"pages), {t}: counted {xla / 1e6:.2f} MB (`aot.cost_of`: XLA's own "
-                         f"count on TPU, less `aot.gather_excess` on CPU and CUDA); written "
+                         f"count on TPU, less `aot.indexed_excess` on CPU and CUDA); written "
                          f"{written / 1e3:.1f} kB; the pool is {pool / 1e6:.2f} MB.")
         if any(aot.parse_target(t).platform == "tpu" for t in args.targets):
             t = aot.parse_target(next(t for t in args.targets if t.startswith("tpu")))
@@ -722,7 +722,7 @@ TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full d
 
 def bucket_of(B: int, target: aot.Target) -> int:
     """The batch bucket the engine pads B rows to on the target (GPU: two rows for one)."""
-    return min(b for b in default_batch_buckets(target.platform) if b >= B)
+    return EngineConfig().scheduler_config(platform=target.platform).batch_bucket(B)
 
 
 def batch_label(B: int, target: aot.Target) -> str:

@@ -352,7 +352,7 @@ def hlo_shape_bytes(dtype: str, dims: str) -> float:
     return float(np.prod([int(d) for d in dims.split(",") if d])) * _HLO_ITEMSIZE.get(dtype, 4)
 
 
-def gather_excess(hlo_text: str) -> float:
+def indexed_excess(hlo_text: str) -> float:
     """Bytes XLA's generic HLO cost analysis (CPU programs, and CUDA's read through the CPU
     client) charges beyond what gathers and in-place scatters move: inside a fusion, a
     parameter whose only uses are gathers of it is charged whole (its
@@ -440,7 +440,7 @@ def _gathered(value: str, instrs: list) -> float | None:
 
 def cost_of(compiled) -> tuple[float | None, float | None]:
     """(flops, bytes accessed) from a compiled program's cost analysis; on CPU and CUDA
-    less what its fused gathers are over-charged (`gather_excess`)."""
+    less what its fused gathers and in-place scatters are over-charged (`indexed_excess`)."""
     ca = compiled.cost_analysis()
     if isinstance(ca, list):  # older JAX: one dict per partition
         ca = ca[0] if ca else None
@@ -458,7 +458,7 @@ def cost_of(compiled) -> tuple[float | None, float | None]:
         return None, None
     nbytes = float(ca.get("bytes accessed", 0.0))
     if _platform_of(compiled) in ("cpu", "gpu"):
-        nbytes -= gather_excess(compiled.as_text())
+        nbytes -= indexed_excess(compiled.as_text())
     return float(ca.get("flops", 0.0)), nbytes
 
 
