@@ -302,7 +302,10 @@ def _fit_backfill(args) -> int:
     model = load_model(tc.model, dtype="float32", progress=not args.quiet)
     res = refit_backfill_maps(tc, model, args.heads or tc.output, tuple(args.prompts),
                               args.rank, args.ridge, progress=not args.quiet,
-                              command="ee-jax fit-backfill " + shlex.join(args.argv))
+                              command="ee-jax fit-backfill " + shlex.join(args.argv),
+                              finetune_epochs=args.finetune_epochs,
+                              finetune_lr=args.finetune_lr,
+                              finetune_thresholds=args.finetune_thresholds)
     print(json.dumps(res))
     return 0
 
@@ -664,6 +667,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training prompts per group whose answers the maps are fitted on")
     f.add_argument("--rank", type=int, default=48)
     f.add_argument("--ridge", type=float, default=1e-3)
+    f.add_argument("--finetune-epochs", type=int, default=0, help="then fine-tune the maps "
+                   "through the served loss for this many epochs (ee_jax.training."
+                   "backfill_tune; 0: the closed-form fit only)")
+    f.add_argument("--finetune-lr", type=float, default=3e-4)
+    f.add_argument("--finetune-thresholds", type=float, nargs="+", default=None,
+                   help="exit plans to fine-tune on (default: the heads' threshold +-0.015)")
     f.add_argument("--quiet", action="store_true", help="no progress bar")
     f.set_defaults(func=_fit_backfill)
     _add_eval_parser(sub)

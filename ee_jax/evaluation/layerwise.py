@@ -92,35 +92,14 @@ def scored_masks(sequences: Sequence[Sequence[int]], score_from: Sequence[int] |
     return [[j >= k for j in range(len(s))] for s, k in zip(sequences, score_from, strict=True)]
 
 
-def _slot_confidence(params, heads, slot, h, state, cfg: ModelConfig, ec: ExitConfig):
-    """(confidence, top-1, next check state) of exit `slot` for h [B, T, D], as the decode
-    step computes it (the state chained over exits in order)."""
-    conf, logits, state = exit_checks.check_confidence(params, heads, slot, h, state, cfg, ec)
-    if logits is None:
-        logits = exit_heads.exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
-    top = jnp.argmax(logits, axis=-1)
-    return conf, top, state
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "configs"))
 def _dense_pass(params, heads_list, tokens, cfg: ModelConfig, configs: tuple[ExitConfig, ...]):
     """tokens [B, T] -> per config: (confidence [E, B, T], agree [E, B, T])."""
     logits, hidden = llama.forward(params, tokens, cfg, return_hidden=True)
     final_top = jnp.argmax(logits, axis=-1)  # [B, T]
     del logits
-    emb = llama.embed(params, tokens, cfg)
-    out = []
-    for ec, heads in zip(configs, heads_list, strict=True):
-        hs = hidden[np.asarray(ec.exit_layers) - 1]  # [E, B, T, D]
-
-        def one(state, args, ec=ec, heads=heads):  # one exit at a time: [B, T, V] at most
-            slot, h = args
-            conf, top, state = _slot_confidence(params, heads, slot, h, state, cfg, ec)
-            return state, (conf.astype(jnp.float32), top == final_top)
-
-        state0 = exit_checks.init_check_state(emb.astype(hs.dtype), ec)
-        out.append(jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs))[1])
-    return out
+    return [exit_checks.dense_confidences(params, heads, hidden, tokens, final_top, cfg, ec)
+            for ec, heads in zip(configs, heads_list, strict=True)]
 
 
 def exit_predictions(cfg: ModelConfig, params, sequences: Sequence[Sequence[int]],

@@ -267,3 +267,33 @@ def batch_exits(confident: jax.Array, active: jax.Array, policy: str, quorum: fl
     n_active = jnp.sum(active)
     n_conf = jnp.sum(confident & active)
     return (n_conf >= quorum * n_active) | (n_active == 0)
+
+
+# ------------------------------------------------------------- dense (evaluation, tuning)
+
+
+def _slot_confidence(params, heads, slot, h, state, cfg: ModelConfig, ec: ExitConfig):
+    """(confidence, top-1, next check state) of exit `slot` for h [B, T, D], as the decode
+    step computes it (the state chained over exits in order)."""
+    conf, logits, state = check_confidence(params, heads, slot, h, state, cfg, ec)
+    if logits is None:
+        logits = exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
+    top = jnp.argmax(logits, axis=-1)
+    return conf, top, state
+
+
+def dense_confidences(params, heads, hidden: jax.Array, tokens: jax.Array, final_top: jax.Array,
+                      cfg: ModelConfig, ec: ExitConfig) -> tuple[jax.Array, jax.Array]:
+    """Every exit's (confidence [E, B, T] f32, top-1 == final_top [E, B, T]) from the dense
+    forward's hidden [L, B, T, D] of tokens [B, T], the checks chained over the exits in
+    order as the decode step chains them (one exit's logits at a time)."""
+    emb = llama.embed(params, tokens, cfg)
+    hs = hidden[np.asarray(ec.exit_layers) - 1]  # [E, B, T, D]
+
+    def one(state, args):
+        slot, h = args
+        conf, top, state = _slot_confidence(params, heads, slot, h, state, cfg, ec)
+        return state, (conf.astype(jnp.float32), top == final_top)
+
+    state0 = init_check_state(emb.astype(hs.dtype), ec)
+    return jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs))[1]

@@ -38,8 +38,8 @@ from ee_jax.models.loading import load_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
+from ee_jax.training import backfill_tune, data
 from ee_jax.training import cached as C
-from ee_jax.training import data
 from ee_jax.training.backfill_fit import fit_from_rows, kv_errors, states_of
 from ee_jax.training.losses import LossWeights, exit_losses
 from ee_jax.training.selfgen import self_generate
@@ -256,20 +256,31 @@ def _answer_rows(pairs: list[tuple[list[int], list[int]]], max_len: int
 
 def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
                         counts: tuple[int, int, int], rank: int, ridge: float,
-                        progress: bool = True, command: str | None = None) -> dict:
+                        progress: bool = True, command: str | None = None,
+                        finetune_epochs: int = 0, finetune_lr: float = 3e-4,
+                        finetune_thresholds: tuple[float, ...] | None = None) -> dict:
     """Fit the learned back-fill maps of saved heads afresh (`backfill_fit.MapFitter`) on the
     model's own answers to `counts` = (instructions, code prompts, everyday requests) of the
     training split, answer tokens only; measure held-out K/V error on the calibration
-    answers against the heads' present maps and propagate; write the new maps into the
-    folder (exit_config.json's `backfill_maps` records how). Returns the record."""
+    answers against the heads' present maps and propagate; with `finetune_epochs`, then
+    fine-tune them through the served loss (`backfill_tune`) on the same answers, the exits
+    the heads take at `finetune_thresholds` (default: their threshold and +-0.015), and
+    measure the simulated served loss on the calibration answers; write the new maps into
+    the folder (exit_config.json's `backfill_maps` records how). Returns the record."""
     cfg, params = model.config, model.params
     ec, heads = load_exit_heads(heads_dir, cfg)
+    if finetune_epochs < 0 or finetune_lr <= 0 or any(
+            not 0 < t <= 1 for t in finetune_thresholds or ()):
+        raise bm.BackfillMapsError(
+            f"fine-tuning needs epochs >= 0, a learning rate > 0 and thresholds in (0, 1], got "
+            f"{finetune_epochs}, {finetune_lr}, {finetune_thresholds}")
     train = [pq for g in split_answers(tc, model, "train", counts, progress).values()
              for pq in g]
     rows, scored = _answer_rows(train, tc.seq_len)
     fitter = fit_from_rows(cfg, params, ec.exit_layers, rows, scored, progress=progress)
     maps = fitter.solve(rank, ridge)
-    held = [pq for g in calibration_answers(tc, model, progress).values() for pq in g]
+    held_pairs = calibration_answers(tc, model, progress)
+    held = [pq for g in held_pairs.values() for pq in g]
     hrows, hscored = _answer_rows(held, tc.seq_len)
     first = ec.exit_layers[0]
     states = np.concatenate([np.asarray(states_of(params, jnp.asarray(hrows[i:i + 4]), cfg,
@@ -285,6 +296,12 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
 
     new = mean_errors(maps)
     old = mean_errors(heads["backfill"]) if "backfill" in heads else None
+    tuned = None
+    if finetune_epochs > 0:
+        maps, tuned = _finetune_maps(model, ec, heads, maps, train, held_pairs,
+                                     finetune_epochs, finetune_lr, finetune_thresholds, progress)
+        new_tuned = mean_errors(maps)
+        tuned["held_out_rel_error_mean_after"] = new_tuned
     info = {"rank": rank, "ridge": ridge, "fit_tokens": int(fitter.n),
             "fit_data": f"answer tokens of {tc.model}'s own greedy answers "
                         f"({tc.gen_max_tokens} max) to {counts[0]} training instructions, "
@@ -293,6 +310,8 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
             "held_out": f"{len(states)} answer tokens of the calibration split's answers",
             "held_out_rel_error_mean": new,
             "date": time.strftime("%Y-%m-%d")}
+    if tuned is not None:
+        info["finetuned"] = tuned
     if command:
         info["command"] = command
     bm.save_maps(heads_dir, cfg, ec.exit_layers, maps, info)
@@ -301,6 +320,37 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
     meta["backfill_maps"] = {"file": bm.FILE, **info}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return {**info, "previous_maps_on_the_same_tokens": old}
+
+
+def _finetune_maps(model, ec: ExitConfig, heads, maps, train, held_pairs, epochs: int,
+                   lr: float, thresholds, progress: bool) -> tuple[bm.Maps, dict]:
+    """`backfill_tune.finetune` of ridge `maps` on the `train` answers at `thresholds`, and
+    the simulated served loss per calibration group at the heads' threshold before/after."""
+    cfg, params = model.config, model.params
+    thr = ec.threshold
+    thresholds = tuple(thresholds or (round(thr - 0.015, 4), thr,
+                                      round(min(thr + 0.015, 0.999), 4)))
+    t0 = time.time()
+    batches = backfill_tune.make_batches(cfg, params, ec, heads, train, thresholds,
+                                         progress=progress)
+    held = {g: backfill_tune.make_batches(cfg, params, ec, heads, p, (thr,), progress=progress)
+            for g, p in held_pairs.items()}
+    before = {g: backfill_tune.evaluate(cfg, params, maps, b, ec.exit_layers)
+              for g, b in held.items()}
+    maps, history = backfill_tune.finetune(cfg, params, maps, batches, ec.exit_layers,
+                                           epochs=epochs, lr=lr, progress=progress)
+    after = {g: backfill_tune.evaluate(cfg, params, maps, b, ec.exit_layers)
+             for g, b in held.items()}
+
+    def r(d):
+        return {g: {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}
+                for g, m in d.items()}
+
+    return maps, {"epochs": epochs, "lr": lr, "thresholds": list(thresholds),
+                  "train_batches": len(batches), "threshold_held_out": thr,
+                  "train_kl": [round(h["train_kl"], 5) for h in history],
+                  "served_sim_held_out_before": r(before), "served_sim_held_out_after": r(after),
+                  "minutes": round((time.time() - t0) / 60, 1)}
 
 
 def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool = True,
