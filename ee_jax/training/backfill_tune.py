@@ -75,7 +75,10 @@ def served_forward(params, maps: bm.Maps, h_first: jax.Array, exit_at: jax.Array
     inv_freq = llama.rope_inv_freq(cfg)
     kv = bm.kv_dim(cfg)
     if cfg.layer_windows is not None:
-        raise NotImplementedError("served_forward: sliding-window layers are not simulated")
+        raise NotImplementedError(
+            f"{cfg.name}: fine-tuning back-fill maps does not simulate sliding-window layers "
+            f"yet; fit the maps in closed form only (ee-jax fit-backfill without "
+            f"--finetune-epochs)")
 
     def body(carry, layer):
         x, frozen = carry
