@@ -242,3 +242,40 @@ def test_answer_rows_score_the_states_that_predict_answer_tokens():
                                [True, True, True, False, False]]
     rows, scored = _answer_rows([([1, 2, 3], [4, 5, 6])], max_len=4)  # cut at max_len
     assert rows.tolist() == [[1, 2, 3, 4]] and scored.tolist() == [[False, False, True, False]]
+
+
+def test_fit_backfill_finetune_lowers_the_served_loss_and_records_it():
+    """`ee-jax fit-backfill --finetune-epochs`: the maps fine-tuned on answers (here: the
+    same ones held out, so the loss on them must fall) and the record of it."""
+    from ee_jax.models import backfill_maps as bm
+    from ee_jax.models import llama
+    from ee_jax.training import backfill_tune
+    from ee_jax.training.tune import _finetune_maps
+
+    # weights large enough that a back-filled token moves later ones (at scale 0.1 it does
+    # not, in f32)
+    params = llama.init_params(CFG, jax.random.PRNGKey(7), scale=0.4)
+    model = LoadedModel(CFG, params, None, "tiny")
+    ec = ExitConfig(exit_layers=(1, 2, 3), threshold=0.5)
+    heads = exit_heads.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
+    k = jax.random.PRNGKey(1)
+    shapes = bm.map_shapes(CFG, ec.exit_layers, 4)
+    maps = {n: (0.2 * jax.random.normal(jax.random.fold_in(k, i), s.shape)).astype(s.dtype)
+            for i, (n, s) in enumerate(shapes.items())}
+    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
+    for s, j in bm.used(ec.exit_layers, CFG.n_layers):
+        live[s, j - 1] = 1
+    maps = {n: (m * live).astype(m.dtype) for n, m in maps.items()}
+    pairs = [(list(r[:8]), list(r[8:20])) for r in ROWS]
+    # a threshold at the heads' median confidence: about half the answer tokens leave
+    conf = np.asarray(backfill_tune._dense_pass(params, heads, jnp.asarray(ROWS[:, :20]), CFG,
+                                                ec)[0])
+    thr = float(np.median(conf[:, :, 8:19].max(axis=0)))
+    new, rec = _finetune_maps(model, ec, heads, maps, pairs, {"answers": pairs}, epochs=8,
+                              lr=1e-2, thresholds=(thr,), progress=False)
+    assert rec["thresholds"] == [thr] and rec["epochs"] == 8
+    before = rec["served_sim_held_out_before"]["answers"]
+    after = rec["served_sim_held_out_after"]["answers"]
+    assert before["tokens"] == after["tokens"] > 0
+    assert after["kl"] < before["kl"]
+    assert new["a"].shape == maps["a"].shape and new["a"].dtype == bm.MAP_DTYPE

@@ -343,12 +343,12 @@ def _finetune_maps(model, ec: ExitConfig, heads, maps, train, held_pairs, epochs
              for g, b in held.items()}
 
     def r(d):
-        return {g: {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}
+        return {g: {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in m.items()}
                 for g, m in d.items()}
 
     return maps, {"epochs": epochs, "lr": lr, "thresholds": list(thresholds),
                   "train_batches": len(batches), "threshold_held_out": thr,
-                  "train_kl": [round(h["train_kl"], 5) for h in history],
+                  "train_kl": [float(f"{h['train_kl']:.4g}") for h in history],
                   "served_sim_held_out_before": r(before), "served_sim_held_out_after": r(after),
                   "minutes": round((time.time() - t0) / 60, 1)}
 
