@@ -7,7 +7,9 @@ without importing from the test tree.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
+from ee_jax.models import backfill_maps as bm
 from ee_jax.models.config import ModelConfig, RopeScaling
 from ee_jax.models.llama import init_params
 
@@ -30,3 +32,16 @@ def tiny_model(seed: int = 0, **overrides):
     """`tiny_config(**overrides)` and its random parameters (normal, scale 0.1)."""
     cfg = tiny_config(**overrides)
     return cfg, init_params(cfg, jax.random.PRNGKey(seed), scale=0.1)
+
+
+def random_backfill_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int = 3,
+                         seed: int = 0, scale: float = 0.3) -> dict:
+    """Random learned back-fill maps (f32, normal times `scale`), zero where the format holds
+    zero (layers at or below each exit): what a fit could produce, without fitting."""
+    k = jax.random.PRNGKey(seed)
+    shapes = bm.map_shapes(cfg, exit_layers, rank)
+    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
+    for s, j in bm.used(exit_layers, cfg.n_layers):
+        live[s, j - exit_layers[0]] = 1
+    return {n: scale * jax.random.normal(jax.random.fold_in(k, i), s.shape) * live
+            for i, (n, s) in enumerate(shapes.items())}

@@ -13,7 +13,7 @@ import pytest
 
 from ee_jax.models import backfill_maps as bm
 from ee_jax.models import llama
-from ee_jax.testing import tiny_config
+from ee_jax.testing import random_backfill_maps, tiny_config
 from ee_jax.training import backfill_tune as bt
 from tests.reference import learned_backfill_states
 
@@ -25,13 +25,7 @@ FIRST = EXITS[0]
 
 
 def _random_maps(seed: int, rank: int = 3) -> bm.Maps:
-    k = jax.random.PRNGKey(seed)
-    shapes = bm.map_shapes(CFG, EXITS, rank)
-    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
-    for s, j in bm.used(EXITS, L):
-        live[s, j - FIRST] = 1
-    return {n: 0.3 * jax.random.normal(jax.random.fold_in(k, i), s.shape) * live
-            for i, (n, s) in enumerate(shapes.items())}
+    return random_backfill_maps(CFG, EXITS, rank, seed)
 
 
 def _h_first(tokens: np.ndarray) -> jax.Array:

@@ -18,7 +18,7 @@ from ee_jax.models import llama
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, storage_dtype
-from ee_jax.testing import tiny_config
+from ee_jax.testing import random_backfill_maps, tiny_config
 from ee_jax.training.backfill_fit import MapFitter, kv_errors
 from tests.test_families import whole_array_ops
 
@@ -106,14 +106,7 @@ def _step_inputs(seed: int):
 
 
 def _random_maps(seed: int, rank: int = 3) -> bm.Maps:
-    """Random maps, zero where the format holds zero (layers at or below the exit)."""
-    k = jax.random.PRNGKey(seed)
-    shapes = bm.map_shapes(CFG, EXITS, rank)
-    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
-    for s, j in bm.used(EXITS, L):
-        live[s, j - FIRST] = 1
-    return {n: 0.3 * jax.random.normal(jax.random.fold_in(k, i), s.shape) * live
-            for i, (n, s) in enumerate(shapes.items())}
+    return random_backfill_maps(CFG, EXITS, rank, seed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -16,7 +16,7 @@ from ee_jax.models import exit_heads
 from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
 from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.models.loading import LoadedModel
-from ee_jax.testing import tiny_model
+from ee_jax.testing import random_backfill_maps, tiny_model
 from ee_jax.training import data
 from ee_jax.training.losses import LossWeights, exit_losses
 from ee_jax.training.tune import tune
@@ -258,14 +258,8 @@ def test_fit_backfill_finetune_lowers_the_served_loss_and_records_it():
     model = LoadedModel(CFG, params, None, "tiny")
     ec = ExitConfig(exit_layers=(1, 2, 3), threshold=0.5)
     heads = exit_heads.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
-    k = jax.random.PRNGKey(1)
-    shapes = bm.map_shapes(CFG, ec.exit_layers, 4)
-    maps = {n: (0.2 * jax.random.normal(jax.random.fold_in(k, i), s.shape)).astype(s.dtype)
-            for i, (n, s) in enumerate(shapes.items())}
-    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
-    for s, j in bm.used(ec.exit_layers, CFG.n_layers):
-        live[s, j - 1] = 1
-    maps = {n: (m * live).astype(m.dtype) for n, m in maps.items()}
+    maps = {n: m.astype(bm.MAP_DTYPE) for n, m in random_backfill_maps(
+        CFG, ec.exit_layers, rank=4, seed=1, scale=0.2).items()}
     pairs = [(list(r[:8]), list(r[8:20])) for r in ROWS]
     # a threshold at the heads' median confidence: about half the answer tokens leave
     conf = np.asarray(backfill_tune._dense_pass(params, heads, jnp.asarray(ROWS[:, :20]), CFG,

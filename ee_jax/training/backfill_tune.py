@@ -210,8 +210,8 @@ def finetune(cfg, params, maps, batches: list[Batch], exit_layers, *, epochs: in
     bm.check_maps(cfg, exit_layers, maps)
     # entries of layers at or below each exit stay zero (never read; kept so by the mask)
     live = np.zeros(maps["a"].shape[:2], np.float32)
-    for s, e in enumerate(exit_layers):
-        live[s, e + 1 - exit_layers[0]:] = 1.0
+    for s, j in bm.used(exit_layers, cfg.n_layers):
+        live[s, j - exit_layers[0]] = 1.0
     live = jnp.asarray(live)[..., None, None]
     m32 = jax.tree.map(lambda w: w.astype(jnp.float32), maps)
     steps = epochs * len(batches)
