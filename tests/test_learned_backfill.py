@@ -209,6 +209,31 @@ def test_maps_for_other_exits_or_shapes_are_refused(tmp_path):
         bm.load_maps(tmp_path / "nothing", CFG, EXITS)
 
 
+
+def test_saved_heads_and_maps_are_readable_by_others_as_the_umask_allows(tmp_path):
+    """safetensors' own writer makes owner-only files (0600): heads tuned by one user could
+    not be served by another. Saved files get what `open` gives under the umask."""
+    import os
+    import stat
+
+    from ee_jax.models import exit_checkpoint, exit_heads
+    from ee_jax.models.exit_config import ExitConfig
+
+    ec = ExitConfig(exit_layers=EXITS, backfill="learned")
+    heads = _heads(ec, _random_maps(4, rank=5))
+    old = os.umask(0o022)
+    try:
+        exit_checkpoint.save_exit_heads(tmp_path / "h", CFG, ec, heads)
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "h").iterdir())
+    assert {f.name for f in files} >= {bm.FILE, exit_checkpoint.HEADS}
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+    got_ec, got = exit_checkpoint.load_exit_heads(tmp_path / "h", CFG)
+    assert got_ec.backfill == "learned" and bm.rank_of(got[exit_heads.BACKFILL_MAPS]) == 5
+
+
 # --------------------------------------------------------------------------- in the engine
 
 ENGINE_PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 10], [11, 12]]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import llama
+from ee_jax.models import llama, safetensors_io
 from ee_jax.models.config import ModelConfig
 
 FILE = "backfill_maps.safetensors"
@@ -179,8 +179,6 @@ def save_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...], maps: Maps
               info: dict | None = None) -> Path:
     """Write the used pairs of `maps` in bf16 to folder/FILE (one tensor per exit and leaf),
     with the model, exit layers, rank and `info` (how they were fitted) as metadata."""
-    import safetensors.numpy as st
-
     check_maps(cfg, exit_layers, maps)
     first, L = exit_layers[0], cfg.n_layers
     tensors = {}
@@ -191,9 +189,7 @@ def save_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...], maps: Maps
                     jnp.asarray(maps[k][s, e + 1 - first:]).astype(jnp.bfloat16))
     meta = {"model": json.dumps(_model_id(cfg)), "exit_layers": json.dumps(list(exit_layers)),
             "rank": str(rank_of(maps)), "info": json.dumps(info or {})}
-    path = Path(folder) / FILE
-    st.save_file(tensors, str(path), metadata=meta)
-    return path
+    return safetensors_io.save_file(tensors, Path(folder) / FILE, metadata=meta)
 
 
 def load_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...]) -> tuple[Maps, dict]:

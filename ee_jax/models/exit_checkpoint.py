@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import ModelLoadError
-from ee_jax.models import backfill_maps, exit_heads
+from ee_jax.models import backfill_maps, exit_heads, safetensors_io
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig, ExitConfigError
 from ee_jax.models.exit_threshold import check_target, exit_prior, threshold_from_json
@@ -111,12 +111,8 @@ def _key(path) -> str:
 
 def write_heads(folder: Path, heads) -> Path:
     """The heads' leaves to folder/HEADS, keyed by their tree path, in their own dtypes."""
-    import safetensors.numpy as st
-
     tensors = {_key(p): np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(heads)}
-    file = Path(folder) / HEADS
-    st.save_file(tensors, str(file))
-    return file
+    return safetensors_io.save_file(tensors, Path(folder) / HEADS)
 
 
 def read_heads(folder: Path, target) -> dict:
