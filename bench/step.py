@@ -66,7 +66,9 @@ def load(args):
     else:
         model = load_f32(args.model, blocks=False)
         cfg, params = model.config, model.params
-        shipped, what = model.shipped_exit_heads(), args.model
+        # dense f32 (the dtype axis re-quantises it), not the GGUF blocks the engine serves:
+        # a full-depth step here reads ~4x the bytes of `bench.shipped_exits`' engine
+        shipped, what = model.shipped_exit_heads(), f"{args.model} (dense f32 weights)"
     if shipped is None:
         ec = exit_config.ExitConfig(exit_layers=tuple(range(4, cfg.n_layers, 4)))
         shipped = ec, exit_heads.init_heads(cfg, ec, params)
