@@ -67,7 +67,7 @@ def load(args):
         model = load_f32(args.model, blocks=False)
         cfg, params = model.config, model.params
         # dense f32 (the dtype axis re-quantises it), not the GGUF blocks the engine serves:
-        # a full-depth step here reads ~4x the bytes of `bench.shipped_exits`' engine
+        # a full-depth step here reads 425 MB of layer weights, the engine's blocks 133 MB
         shipped, what = model.shipped_exit_heads(), f"{args.model} (dense f32 weights)"
     if shipped is None:
         ec = exit_config.ExitConfig(exit_layers=tuple(range(4, cfg.n_layers, 4)))
