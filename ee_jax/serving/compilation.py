@@ -33,6 +33,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from ee_jax.errors import MemoryMapsExhausted
+from ee_jax.files import write_atomic
 
 COMPILATION_CACHE_ENV = "EE_JAX_COMPILATION_CACHE"  # relocates the default cache ("": off)
 DEFAULT_COMPILATION_CACHE = "~/.cache/ee-jax/xla"
@@ -195,9 +196,7 @@ class ProgramCache:
         try:
             blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
             self.path.mkdir(parents=True, exist_ok=True)
-            tmp = self.path / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_bytes(blob)
-            os.replace(tmp, self.path / f"{key}.bin")
+            write_atomic(self.path / f"{key}.bin", blob)
         except Exception as e:
             warnings.warn(f"ee-jax: could not keep a compiled program in {self.path} "
                           f"({e!r})", stacklevel=2)
