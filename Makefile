@@ -12,6 +12,11 @@ TEST_WORKERS ?= 3
 
 .PHONY: run test test-fast lint clean roofline
 
+# Python writes its bytecode cache (some machines set PYTHONDONTWRITEBYTECODE=1, and pip
+# installs with --no-compile below): without it every test process and subprocess compiles
+# jax, scipy and ee_jax from source again, ~4 s each (docs/testing.md).
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements.txt

@@ -37,8 +37,10 @@ def _free_port() -> int:
 
 
 def _start(port: int, pid: int, cache: str, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # one CPU device each (not the suite's eight); the suite's compile flags kept
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)
     env["EE_JAX_TEST_XLA_CACHE"] = cache
     return subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), "2", str(pid),
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -26,10 +26,10 @@ tables (tuning, the served engine) is training's (`ee_jax.training.calibrate`, `
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
-from scipy import stats
 
 from ee_jax.models.exit_config import NEVER, ExitConfigError
 
@@ -115,6 +115,8 @@ def p_value(errors: int, n: int, eps: float) -> float:
     errors."""
     if eps <= 0.0:
         return 1.0
+    from scipy import stats  # here, not at the top: scipy.stats costs every process ~1 s
+
     return float(stats.binom.cdf(errors, n, eps))
 
 
@@ -134,7 +136,7 @@ def p_value_clustered(cluster_errors, cluster_sizes, eps: float) -> float:
     var = k / (k - 1) * np.sum((e - r * m) ** 2) / total**2
     if var == 0.0:
         return 0.0 if r < eps else 1.0
-    return float(stats.norm.cdf((r - eps) / np.sqrt(var)))
+    return 0.5 * math.erfc((eps - r) / math.sqrt(2.0 * var))  # the normal CDF at (r-eps)/sd
 
 
 def table_p_value(table: CalibrationTable, i: int, eps: float) -> float:
