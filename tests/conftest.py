@@ -5,23 +5,23 @@ from __future__ import annotations
 import os
 
 # Eight simulated CPU devices for the sharding tests (read when JAX starts its CPU backend,
-# before any test runs); unsharded code keeps using the first device.
-# The suite is compile-bound (hundreds of small step programs): LLVM at -O0 compiles them
-# ~35% faster in CPU time (the tiny engine of test_engine: 18.5 -> 12 CPU s, the same tokens;
-# 2026-12-02, Intel Xeon), while the real model's steps, whose time is in the matmul library
-# calls the flag does not touch, ran level (30.3 vs 32.6 user s, one test). Subprocesses
-# inherit both flags.
+# before any test runs); unsharded code keeps using the first device. Subprocesses inherit
+# the flags and the settings below.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # XLA CPU's MLIR fusion emitters (the default in this JAX) spend most of a small program's
 # compile building MLIR contexts and running their pass pipelines; the older LLVM IR emitter
 # compiles test_engine's tiny engine in 2.9 s of backend compile instead of 6.8 s, with the
 # same tokens (2026-12-04, AMD EPYC, 2 cores; docs/testing.md).
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# The suite is compile-bound (hundreds of small step programs): with most optimisations off
+# (XLA's backend at -O0, LLVM's expensive passes skipped) they compile ~3x faster. The real
+# SmolLM2's tests are bound by running, not compiling: their programs compile optimised
+# (`pytest_runtest_setup` below; 27.7 -> 14.6 s for the engine-vs-transformers test).
+# JAX's switch, not XLA_FLAGS' -O0: JAX reads it at each compile, XLA_FLAGS once a process.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # No persistent compilation cache in the suite (the CLI's default follows
 # $EE_JAX_COMPILATION_CACHE; empty: off). With it on, the full suite once aborted inside XLA
@@ -118,6 +118,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_model)
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before a test's fixtures: its programs compile optimised if it runs the real model
+    (bound by running), with most optimisations off otherwise (bound by compiling)."""
+    jax.config.update("jax_disable_most_optimizations",
+                      item.get_closest_marker("real_model") is None)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ def test_colab_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("EE_JAX_NOTEBOOK_SMALL", "1")
+    # the real model's programs compile optimised in the kernel too (tests/conftest.py)
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert any("parameters" in c.metadata.get("tags", []) for c in nb.cells)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
