@@ -6,6 +6,8 @@ without importing from the test tree.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -45,3 +47,16 @@ def random_backfill_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: i
         live[s, j - exit_layers[0]] = 1
     return {n: scale * jax.random.normal(jax.random.fold_in(k, i), s.shape) * live
             for i, (n, s) in enumerate(shapes.items())}
+
+
+def subprocess_env(devices: int | None = None) -> dict[str, str]:
+    """This process's environment for a child process, with XLA_FLAGS' simulated CPU device
+    count replaced (`devices`) or dropped (None: one device); the other flags, such as the
+    test suite's compile settings, are kept."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env

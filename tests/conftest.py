@@ -6,14 +6,14 @@ import os
 
 # Eight simulated CPU devices for the sharding tests (read when JAX starts its CPU backend,
 # before any test runs); unsharded code keeps using the first device. Subprocesses inherit
-# the flags and the settings below.
+# the flags and the settings below (`ee_jax.testing.subprocess_env` changes the count).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 # XLA CPU's MLIR fusion emitters (the default in this JAX) spend most of a small program's
 # compile building MLIR contexts and running their pass pipelines; the older LLVM IR emitter
-# compiles test_engine's tiny engine in 2.9 s of backend compile instead of 6.8 s, with the
-# same tokens (2026-12-04, AMD EPYC, 2 cores; docs/testing.md).
+# compiles a tiny engine's programs in ~3 s of backend compile instead of ~9 s, with the same
+# tokens (`python -m bench.compile_time`, 2026-12-04, AMD EPYC, 2 cores; docs/testing.md).
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # One LLVM module a program, not XLA's split into parts compiled on threads: with every core

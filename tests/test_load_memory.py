@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ee_jax.testing import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh process: the peak of the memory the load allocates (anonymous resident
@@ -94,10 +96,7 @@ def bf16_folder(tmp_path_factory):
 
 
 def _probe(folder: Path, mesh: str = "") -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f]
-                                + ["--xla_force_host_platform_device_count=4"])
+    env = subprocess_env(devices=4)
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", _PROBE, str(folder), mesh], env=env,
                          capture_output=True, text=True, timeout=600, check=True)

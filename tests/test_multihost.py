@@ -4,7 +4,6 @@ the same tokens as one process; a process that dies ends the other with a clear 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
+from ee_jax.testing import subprocess_env
 from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS
 from tests.reference import run_requests
 
@@ -37,10 +37,8 @@ def _free_port() -> int:
 
 
 def _start(port: int, pid: int, cache: str, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    # one CPU device each (not the suite's eight); the suite's compile flags kept
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if "device_count" not in f)
+    env = subprocess_env()  # one CPU device each, not the suite's eight
+    env["PYTHONPATH"] = str(ROOT)
     env["EE_JAX_TEST_XLA_CACHE"] = cache
     return subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), "2", str(pid),
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
