@@ -60,8 +60,9 @@ def main(argv=None) -> int:
 
     def program(policy, pending_layer):
         def f(cache):
-            pending = None if pending_layer is None else Pending(
-                h, jnp.full((B,), pending_layer, jnp.int32))
+            pending = None if pending_layer is None else dataclasses.replace(
+                Pending.none(B, cfg), h=h[:, None],
+                layer=jnp.full((B, 1), pending_layer, jnp.int32))
             r, cache = model_step(params, heads, cache, tokens, meta, thresholds, cfg, policy,
                                   attention="auto", pending=pending)
             return r.logits, cache

@@ -115,6 +115,16 @@ class ExitConfig:
     candidates: int = 8
     target_agreement: float = 0.95
     backfill: Backfill = "deferred"
+    # Verified exits (DESIGN section 5b): a token that leaves at its exit is a *draft*; the
+    # row's run of drafts rides along in later steps and is checked by the full model in
+    # the first step that runs the row to the last layer (its token not confident, or the
+    # run at max_draft, or a length or stop limit within reach). Only what the full model
+    # confirms is emitted: the output is full depth's, the threshold a speed knob. The K/V
+    # come from riding along alone (backfill "deferred"; nothing propagated or learned).
+    verify: bool = False
+    # verify: the longest run of drafts before a verify step (LayerSkip's num_speculations
+    # with force_exit_layer): longer runs save more steps when accepted and waste more when not
+    max_draft: int = 4
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
@@ -135,6 +145,15 @@ class ExitConfig:
         if self.backfill not in BACKFILLS:
             raise ExitConfigError(f"unknown backfill {self.backfill!r}; choose one of "
                                   f"{BACKFILLS}")
+        if not (isinstance(self.max_draft, int) and not isinstance(self.max_draft, bool)
+                and self.max_draft >= 1):
+            raise ExitConfigError(f"max_draft must be an integer >= 1 (drafts in a run before "
+                                  f"it is verified), got {self.max_draft!r}")
+        if self.verify and self.backfill != "deferred":
+            raise ExitConfigError(
+                f"verify=True cannot use backfill {self.backfill!r}: verified exits write "
+                f"exact K/V only, from the run riding along in later steps; set "
+                f"backfill='deferred' (ExitConfig.verified() does)")
         if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
             raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
                                   f"{self.min_row_bucket!r}")
@@ -179,6 +198,12 @@ class ExitConfig:
         if self.measure == "candidates" and self.candidates > cfg.vocab_size:
             raise ExitConfigError(f"candidates {self.candidates} exceeds the model's "
                                   f"vocabulary of {cfg.vocab_size} tokens")
+
+    def verified(self, max_draft: int | None = None) -> ExitConfig:
+        """These exits as verified drafts (lossless): back-fill "deferred", `max_draft`
+        drafts a run (None: keep this config's)."""
+        return dataclasses.replace(self, verify=True, backfill="deferred",
+                                   max_draft=self.max_draft if max_draft is None else max_draft)
 
     @property
     def enabled(self) -> bool:

@@ -185,6 +185,10 @@ class LLMEngine:
                                   max_batch=max(sched_cfg.batch_buckets), mesh=mesh,
                                   layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
                                                             exit_config is not None))
+        # Verified exits (ExitConfig.verify): how many tokens a decode step emits is known
+        # only once it is read (drafts, or a verify that keeps a prefix), so the next step
+        # is scheduled after reading it: steps do not overlap (async_scheduling is off).
+        self.verify = exit_config is not None and exit_config.enabled and exit_config.verify
         self.controller = None
         if exit_config is not None and exit_config.enabled:
             self.controller = ExitController(config.exit_control, exit_predictor(
@@ -290,7 +294,7 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
         self._inflight = launched
-        if launched is not None and not self.config.async_scheduling:
+        if launched is not None and (not self.config.async_scheduling or self.verify):
             outputs += self._finish(launched)
             self._inflight = None
         self.stats.host_time += time.perf_counter() - t0 - self._waited
@@ -313,8 +317,11 @@ class LLMEngine:
         self.stats.num_preemptions += len(schedule.preempted)
         batch = self._build_batch(schedule)
         if schedule.kind == "decode" and self.controller is not None \
-                and not self.controller.use_exits(batch.shape.batch):
+                and not self.controller.use_exits(batch.shape.batch) \
+                and not any(row.seq.num_draft for row in schedule.rows):  # runs to verify
             batch.shape = dataclasses.replace(batch.shape, exits=False)
+        if self.verify and schedule.kind == "decode" and batch.shape.exits:
+            self._verify_limits(schedule, batch)
         t0 = time.perf_counter()
         for row in schedule.rows:
             if row.seq.metrics.first_scheduled_time is None:
@@ -367,6 +374,25 @@ class LLMEngine:
                                     [int(e) for e in extra[:len(launched.schedule.rows), 0]])
         return self._process(launched, tokens, logprobs, extra)
 
+    def _verify_limits(self, schedule: Schedule, batch: StepBatch) -> None:
+        """Rows that must verify this step, not draft (threshold NEVER: the row runs every
+        layer): a run at max_draft; a token that would be the request's last (max_tokens,
+        max_model_len), so no draft sits beyond a limit; a draft that is a stop token (the
+        request may end there); teacher-forced requests (every token is the full model's)."""
+        ec = self.exit_config
+        for r, row in enumerate(schedule.rows):
+            seq, p = row.seq, row.seq.params
+            n = len(seq.output_token_ids)
+            last = seq.output_token_ids[-1] if seq.num_draft else None
+            if (seq.num_draft >= ec.max_draft or n + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= self.config.max_model_len or p.forced_tokens
+                    or (last is not None and ((last in self._eos and not p.ignore_eos)
+                                              or last in p.stop_token_ids))):
+                batch.threshold[r] = np.inf
+            if seq.num_draft and batch.pend_row[r] < 0:  # the run must be on the device
+                raise RuntimeError(f"request {seq.request_id!r} has {seq.num_draft} drafts "
+                                   f"but its run is not the latest decode step's")
+
     def _build_batch(self, schedule: Schedule) -> StepBatch:
         """The step's inputs from the persistent batch (`input_batch.InputBatch`): a decode
         step's are gathers from the requests' slots; a prefill step writes its query blocks
@@ -397,7 +423,11 @@ class LLMEngine:
         else:
             s.num_decode_steps += 1
             s.decode_time += 0.0 if compiled else dt
-            s.num_decode_tokens += 0 if compiled else len(schedule.rows)
+            verifying = self.verify and extra.shape[1] > 3  # a verified-exits step
+            emitted = (int(extra[:len(schedule.rows), 3].sum()) if verifying
+                       else len(schedule.rows))
+            s.num_decode_tokens += 0 if compiled else emitted
+            s.num_verify_steps += verifying and bool((extra[:len(schedule.rows), 3] > 0).any())
             s.decode_layers_run += exit_layer
             s.vocab_checks += int(extra[0, 1])
             s.step_exit_counts[exit_layer] = s.step_exit_counts.get(exit_layer, 0) + 1
@@ -412,9 +442,15 @@ class LLMEngine:
     def _process(self, launched: _Launched, tokens, logprobs, extra) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
+        verifying = self.verify and extra.shape[1] > 3  # a verified-exits step
         for r, row in enumerate(launched.schedule.rows):
             seq, idx = row.seq, launched.out_idx[r]
             if idx < 0 or seq.finished:  # no token this step, or ended (stop, abort) before
+                continue
+            if verifying and not seq.params.forced_tokens:
+                out = self._process_verified(seq, idx, int(tokens[r]), extra[r], now)
+                if out is not None:
+                    outputs.append(out)
                 continue
             token = int(tokens[r])
             if seq.params.forced_tokens:  # teacher forcing: keep what the model said
@@ -438,6 +474,53 @@ class LLMEngine:
                 self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, new_text))
         return outputs
+
+    def _process_verified(self, seq: Sequence, idx: int, token: int, extra: np.ndarray,
+                          now: float) -> RequestOutput | None:
+        """A row of a verified-exits step: a draft (nothing emitted; `token` joins the
+        row's unconfirmed tail and is its next input) or a verify: the confirmed tokens
+        (kept drafts, then the full model's) replace the run and this step's slot, the
+        row's length rolls back past what was dropped, and only they reach the text, the
+        stop checks and the client. extra: the row's result columns after the logprob."""
+        P = self.exit_config.max_draft
+        count = int(extra[3])
+        seq.awaiting_finish = False
+        if count == 0:
+            seq.output_token_ids[idx] = token
+            seq.num_draft += 1
+            seq.metrics.num_drafted += 1
+            self.stats.num_drafted += 1
+            return None
+        toks = extra[4:5 + P][:count]
+        lps = extra[5 + P:6 + 2 * P][:count].astype(np.int32).view(np.float32)
+        layers = extra[6 + 2 * P:7 + 3 * P][:count]
+        k = seq.num_draft
+        dropped = k + 1 - count  # rejected drafts and this step's slot beyond the kept ones
+        del seq.output_token_ids[idx - k:]
+        seq.num_computed -= dropped
+        seq.num_draft = 0
+        seq.metrics.num_accepted += count - 1
+        self.stats.num_accepted += count - 1
+        new_text = ""
+        for t, lp, layer in zip(toks.tolist(), lps.tolist(), layers.tolist(), strict=True):
+            seq.output_token_ids.append(t)
+            seq.logprobs.append(lp)
+            seq.exit_layers.append(layer)
+            self.stats.token_exit_counts[layer] = self.stats.token_exit_counts.get(layer, 0) + 1
+            self.stats.num_generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            new_text += self._check_stop(seq, t, len(seq.output_token_ids))
+            if seq.finished:
+                break
+        if seq.finished:
+            seq.metrics.finish_time = now
+            self.scheduler.release(seq)
+            self.input_batch.remove(seq.seq_id)
+            self._requests.pop(seq.request_id, None)
+        elif dropped:  # the slot mirrors the rolled-back request
+            self.input_batch.add(seq)
+        return self._output(seq, new_text)
 
     def _check_stop(self, seq: Sequence, token: int, n_out: int) -> str:
         """Append the token (the request's n_out-th) to the text, decide whether the sequence

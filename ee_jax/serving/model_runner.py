@@ -29,7 +29,7 @@ from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
-from ee_jax.serving.step import Pending, model_step, policy_for
+from ee_jax.serving.step import Pending, model_step, pending_width, policy_for
 
 # Tokens per query block of a ragged prefill step (architecture.md section 5): each row's
 # chunk but its last token is padded to a multiple of this, so a block belongs to one row.
@@ -167,10 +167,12 @@ def sampling_tensors(inp: dict[str, jax.Array]) -> SamplingTensors:
 
 
 def pack_results(tokens: jax.Array, logprobs: jax.Array, *extra: jax.Array) -> jax.Array:
-    """One small int32 array [B, 2 + len(extra)] back to the host (logprobs bit-cast)."""
-    cols = [tokens.astype(jnp.int32), jax.lax.bitcast_convert_type(logprobs, jnp.int32)]
-    cols += [e.astype(jnp.int32) for e in extra]
-    return jnp.stack(cols, axis=1)
+    """One small int32 array [B, 2 + columns of extra] back to the host (logprobs bit-cast);
+    an extra [B] is one column, [B, n] n columns."""
+    cols = [tokens.astype(jnp.int32)[:, None],
+            jax.lax.bitcast_convert_type(logprobs, jnp.int32)[:, None]]
+    cols += [e.astype(jnp.int32).reshape(e.shape[0], -1) for e in extra]
+    return jnp.concatenate(cols, axis=1)
 
 
 def _place(tree: Any, where: Any) -> Any:
@@ -243,24 +245,88 @@ class StepProgram:
         policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
         prev = inp["pend_row"]  # rows of the latest decode step, or -1
         at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
-        rows_pending = Pending(pending.h[at], jnp.where(prev >= 0, pending.layer[at],
-                                                        c.model.n_layers))
+        none = Pending.none(shape.batch, c.model, pending.width)
+        rows_pending = jax.tree.map(
+            lambda a, n: jnp.where((prev >= 0).reshape(-1, *[1] * (a.ndim - 1)), a[at], n),
+            pending, none)
         result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
                                    c.model, policy, c.attention,
                                    block_tokens=inp["block_tokens"] if blocks else None,
                                    pending=rows_pending)
-        sampled = sample(result.logits, sampling_tensors(inp))
-        logprobs = token_logprobs(result.logits, sampled)
+        st = sampling_tensors(inp)
+        if result.run_logits is not None:  # verified exits: drafts, or a verify
+            sampled, logprobs, emitted, result = _verify(result, rows_pending, st, c.model)
+        else:
+            sampled = sample(result.logits, st)
+            logprobs = token_logprobs(result.logits, sampled)
+            emitted = ()
         last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
         if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
             # tokens where they are (its rows' own are dropped: InputBatch never asks again)
-            pending = Pending.none(last_tokens.shape[0], c.model)
-            pending = Pending(pending.h.at[:shape.batch].set(result.pending.h),
-                              pending.layer.at[:shape.batch].set(result.pending.layer))
+            new = result.pending if result.pending.width == pending.width else none
+            pending = jax.tree.map(lambda a, n: jnp.zeros_like(a).at[:shape.batch].set(n),
+                                   pending, new)
         return cache, pack_results(sampled, logprobs, result.exit_layer,
                                    *(jnp.broadcast_to(a, sampled.shape)
-                                     for a in (result.checks, result.work))), last_tokens, \
-            pending
+                                     for a in (result.checks, result.work)),
+                                   *emitted), last_tokens, pending
+
+
+def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
+    """Draft or verify each row of a verified-exits step (DESIGN section 5b).
+
+    Every position is sampled as full depth samples it: the same per-request key (seed,
+    token index), the same filters, Gumbel-max over the logits. A draft is the exit head's
+    sample under that key; the final head's sample under the same key is the full model's
+    token there, so a draft is kept exactly where the two agree (greedy: equal argmaxes).
+    The emitted tokens are then *the* tokens full depth emits with that seed, whatever
+    shares the batch and wherever runs start: a lossless coupling (its acceptance is at most
+    standard speculative sampling's min(1, p/q), reached when q and p agree).
+
+    Returns (each row's next input token [B], its logprob [B], the emitted columns
+    (count [B], tokens [B, P + 1], logprobs [B, P + 1] (bit-cast), exit layers [B, P + 1]),
+    the result with the drafts filled into its pending run)."""
+    L = cfg.n_layers
+    B, P = run.token.shape
+    V = result.logits.shape[-1]
+    j = jnp.arange(P + 1, dtype=jnp.int32)
+    left = (result.exit_layer > 0) & (result.exit_layer < L)  # drafting rows
+    verified = result.exit_layer == L
+
+    def every_slot():  # the final head's samples at each entry, the row's own token last
+        logits = jnp.concatenate([result.run_logits, result.logits[:, None]], axis=1)
+        rep = SamplingTensors(*(jnp.repeat(a, P + 1) for a in (
+            st.temperature, st.top_k, st.top_p, st.seeds)),
+            steps=jnp.maximum(st.steps[:, None] - P + j, 0).reshape(-1))
+        flat = logits.reshape(B * (P + 1), V)
+        tok = sample(flat, rep)
+        return tok.reshape(B, P + 1), token_logprobs(flat, tok).reshape(B, P + 1)
+
+    def own_only():  # no row verifies: each row's draft (or full-depth token) alone
+        tok = sample(result.logits, st)
+        lp = token_logprobs(result.logits, tok)
+        return (jnp.zeros((B, P + 1), jnp.int32).at[:, P].set(tok),
+                jnp.zeros((B, P + 1), jnp.float32).at[:, P].set(lp))
+
+    full, lps = jax.lax.cond(jnp.any(verified), every_slot, own_only)
+    valid = run.token >= 0  # [B, P], right aligned
+    match = (run.token == full[:, :P]) | ~valid
+    first_miss = jnp.argmin(jnp.concatenate([match, jnp.zeros((B, 1), bool)], axis=1), axis=1)
+    start = P - jnp.sum(valid, axis=1)  # the run's first entry
+    count = jnp.where(verified, first_miss - start + 1, 0)  # kept drafts + the full token
+    idx = jnp.minimum(start[:, None] + j, P)  # [B, P + 1]
+    tokens = jnp.take_along_axis(full, idx, axis=1)
+    logprobs = jnp.take_along_axis(lps, idx, axis=1)
+    made_by = jnp.concatenate([run.exit, jnp.full((B, 1), L, jnp.int32)], axis=1)
+    layers = jnp.where(j[None] < count[:, None] - 1, jnp.take_along_axis(made_by, idx, axis=1),
+                       L)
+    at = jnp.where(verified, first_miss, P)[:, None]
+    nxt = jnp.take_along_axis(full, at, axis=1)[:, 0]
+    nxt_lp = jnp.take_along_axis(lps, at, axis=1)[:, 0]
+    pending = dataclasses.replace(result.pending, token=result.pending.token.at[:, P - 1].set(
+        jnp.where(left, full[:, P], -1)))
+    emitted = (count, tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32), layers)
+    return nxt, nxt_lp, emitted, dataclasses.replace(result, pending=pending)
 
 
 def compaction_pays(platform: str) -> bool:
@@ -371,7 +437,8 @@ class ModelRunner:
         # The latest step's tokens that left early, for back-fill "deferred": the next decode
         # step runs their skipped layers beside the rows' own tokens (step.Pending).
         def state():
-            return jnp.zeros((max_batch,), jnp.int32), Pending.none(max_batch, cfg)
+            return jnp.zeros((max_batch,), jnp.int32), Pending.none(
+                max_batch, cfg, pending_width(exit_config))
 
         self.last_tokens, self.pending = _place(
             jax.eval_shape(state) if abstract else state(),
@@ -398,7 +465,8 @@ class ModelRunner:
                                                                sharding=where), t)
 
         def state():
-            return jnp.zeros((max_batch,), jnp.int32), Pending.none(max_batch, cfg)
+            return jnp.zeros((max_batch,), jnp.int32), Pending.none(
+                max_batch, cfg, pending_width(exit_config))
 
         last, pend = jax.eval_shape(state)
         args = (sds(self.params), sds(self.exit_heads), sds(self.cache),

@@ -119,6 +119,14 @@ class RequestMetrics:
     # seconds of engine steps that compiled a program while this request waited for its
     # first token (a warm server would not have made it wait for them)
     compile_wait: float = 0.0
+    # verified exits: drafts the exit heads made for this request, and those the full model
+    # confirmed (each confirmed draft is a token emitted without its own full-depth step)
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -61,6 +61,9 @@ class Sequence:
     # scheduled again (it finishes then).
     awaiting_finish: bool = False
     inflight_row: int = -1  # its row in the in-flight step (where its PENDING token is)
+    # verified exits: the last num_draft of output_token_ids are drafts the full model has
+    # not confirmed yet (their K/V incomplete above their exits: the device's run of the row)
+    num_draft: int = 0
     text: str = ""
     detokenizer: Any = None
     finish_reason: str | None = None
@@ -84,6 +87,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def drop_drafts(self) -> None:
+        """Forget the unconfirmed drafts (never emitted: nothing a client saw changes)."""
+        if self.num_draft:
+            del self.output_token_ids[len(self.output_token_ids) - self.num_draft:]
+            self.num_draft = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +286,7 @@ class Scheduler:
                 self.blocks.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_drafts()  # recomputed from its confirmed tokens
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
@@ -331,7 +341,10 @@ class Scheduler:
             for seq in self.running:
                 if len(rows) >= max_rows or budget <= 0:
                     break
+                # a row with drafts waits: a prefill step runs it at full depth, which
+                # cannot complete (or verify) its run
                 if (id(seq) in taken or seq.awaiting_finish or seq.num_pending != 1
+                        or seq.num_draft
                         or seq.num_computed < len(seq.prompt_token_ids)
                         or not self.blocks.can_append(seq.seq_id, seq.num_tokens)):
                     continue

@@ -42,6 +42,15 @@ class EngineStats:
     # seconds step() spent on the host: not waiting for the device, not compiling
     host_time: float = 0.0
     num_mixed_steps: int = 0  # prefill steps that also advanced decoding requests
+    # verified exits: drafts made, drafts the full model confirmed, decode steps that
+    # verified at least one row (ExitConfig.verify)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)

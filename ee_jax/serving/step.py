@@ -72,20 +72,39 @@ from ee_jax.serving.paged_model import paged_layer
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """Each row's previous token while its skipped layers hold propagated K/V (ExitConfig
-    .backfill "deferred"): the row's next decode step runs those layers for that token too,
-    one more query per row at position (the row's position - 1), and writes the exact K/V,
-    but only in the layers the row's new token runs anyway (it rides along: the step runs no
-    layer more); above the new token's exit the old one's K/V are propagated again, from the
-    deeper state it reached. The exit costs (`exit_cost.step_cost`) count it so."""
+    """Each row's tokens whose skipped layers its next decode step runs, riding along in the
+    layers that step runs anyway (one more query per entry, at the positions just before the
+    row's own token; the step runs no layer more).
 
-    h: jax.Array  # [B, D] its hidden state after `layer` layers
-    layer: jax.Array  # [B] int32: layers it has run; L (n_layers): nothing pending
+    Back-fill "deferred": one entry, the row's previous token while its skipped layers hold
+    propagated K/V; above the new token's exit the old one's K/V are propagated again, from
+    the deeper state it reached. The exit costs (`exit_cost.step_cost`) count it so.
+    Verified exits (`ExitConfig.verify`): the row's *run* of up to `max_draft` drafts, right
+    aligned (entry P - 1 is the token just before the row's own): no K/V is ever propagated;
+    each entry's K/V are exact up to its `layer`, and every later step completes them as far
+    as it runs before any later token reads them. A step that runs the row to the last layer
+    verifies the run (`model_runner`: the final head scores every entry)."""
+
+    h: jax.Array  # [B, P, D] each entry's hidden state after `layer` layers
+    layer: jax.Array  # [B, P] int32: layers it has run; L (n_layers): an empty entry
+    token: jax.Array  # [B, P] int32: verify: the draft the exit head made from it; -1: none
+    exit: jax.Array  # [B, P] int32: verify: the exit layer that made the draft
 
     @classmethod
-    def none(cls, batch: int, cfg: ModelConfig) -> Pending:
-        return cls(jnp.zeros((batch, cfg.d_model), cfg.jnp_dtype),
-                   jnp.full((batch,), cfg.n_layers, jnp.int32))
+    def none(cls, batch: int, cfg: ModelConfig, width: int = 1) -> Pending:
+        return cls(jnp.zeros((batch, width, cfg.d_model), cfg.jnp_dtype),
+                   jnp.full((batch, width), cfg.n_layers, jnp.int32),
+                   jnp.full((batch, width), -1, jnp.int32),
+                   jnp.full((batch, width), cfg.n_layers, jnp.int32))
+
+    @property
+    def width(self) -> int:
+        return self.layer.shape[1]
+
+
+def pending_width(ec: ExitConfig | None) -> int:
+    """Entries of a row's Pending: a verify run's `max_draft`, else the one deferred token."""
+    return ec.max_draft if ec is not None and ec.verify else 1
 
 
 @jax.tree_util.register_dataclass
@@ -98,7 +117,11 @@ class StepResult:
     #                        0 for padding rows)
     checks: jax.Array  # int32: exit checks that projected onto the vocabulary (their cost)
     work: jax.Array  # int32: row-layers computed (rows a layer ran on, summed over layers)
-    pending: Pending  # what the rows' next decode step completes (nothing unless "deferred")
+    pending: Pending  # what the rows' next decode step completes (nothing unless "deferred"
+    #                   or verify; under verify the drafts' tokens are the runner's to fill)
+    # verify only: the final head's logits [B, P, V] at each entry of the run the step took
+    # in, for the rows that ran every layer (exit_layer == L; zeros elsewhere)
+    run_logits: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------- policies
@@ -188,7 +211,8 @@ class _Loop:
     n: jax.Array  # int32: layers run
     x: jax.Array  # (c) [B, 1, D] hidden states
     perm: jax.Array  # (c) [B] int32: original row of each slot
-    pend: jax.Array  # (c) [B] int32: layers the row's pending token has run (L: none)
+    pend: jax.Array  # (c) [B, P] int32: layers each of the row's pending tokens has run
+    #                   (L: none)
     running: jax.Array  # (c) [B] bool
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exit_checks.CheckState  # (c) what a check carries to the next (per row)
@@ -272,21 +296,27 @@ def checked_layers(ec: ExitConfig, n_layers: int) -> tuple[int, ...]:
 
 def _with_pending(meta: AttentionMetadata, x: jax.Array, pending: Pending
                   ) -> tuple[AttentionMetadata, jax.Array]:
-    """Two queries a row, (the pending token, the row's own): positions [B, 2] and x [B, 2, D].
-    Which layers the pending query runs is decided per layer (`_Loop.pend`)."""
+    """P + 1 queries a row, (the P pending entries, the row's own token): positions
+    [B, P + 1] (pos - P, ..., pos) and x [B, P + 1, D]. Which layers each pending query runs
+    is decided per layer (`_Loop.pend`)."""
+    P = pending.width
     pos = meta.positions  # [B, 1]
-    meta = dataclasses.replace(meta, positions=jnp.concatenate([jnp.maximum(pos - 1, 0), pos],
-                                                               axis=1))
-    return meta, jnp.concatenate([pending.h[:, None].astype(x.dtype), x], axis=1)
+    meta = dataclasses.replace(meta, positions=jnp.maximum(
+        pos - P + jnp.arange(P + 1, dtype=pos.dtype)[None], 0))
+    return meta, jnp.concatenate([pending.h.astype(x.dtype), x], axis=1)
 
 
 def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfig,
                  policy: BatchExit | PerRow, attention: str, pending: Pending | None):
     ec = policy.ec
     L, B = cfg.n_layers, tokens.shape[0]
-    deferred = rides_along(ec.backfill)
+    verify = ec.verify
+    deferred = rides_along(ec.backfill) or verify  # pending queries ride along
+    P = pending_width(ec)
     if pending is None or not deferred:
-        pending = Pending.none(B, cfg)
+        pending = Pending.none(B, cfg, P)
+    if pending.width != P:
+        raise ValueError(f"pending has {pending.width} entries a row, the exit config {P}")
     sizes = policy.stages(B)
     table = jnp.asarray(ec.exit_index_table(L))
     active = meta.kv_lens > 0  # padding rows have no keys: they never run
@@ -315,7 +345,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         n, h = s.n, s.x[:, -1]  # the row's own token (the last query)
         checks, logits_buf = s.checks, s.logits
         if force is not None:
-            confident = jnp.broadcast_to(n == force, (B,))
+            # (a row whose threshold no confidence reaches stays: verify's limits use it)
+            confident = (n == force) & (thresholds[s.perm] <= 1.0)
             state = s.check
         else:
             conf, logits, part = exit_checks.check_confidence(
@@ -346,16 +377,16 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         if not deferred:
             y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
         elif not pending_runs:
-            own = dataclasses.replace(mz, positions=mz.positions[:, 1:])
-            y, cache = paged_layer(params, s.n, s.x[:z, 1:], cache, own, cfg, attention)
-            y = jnp.concatenate([s.x[:z, :1], y], axis=1)
-        else:  # the pending query runs the layers its token skipped; elsewhere its
+            own = dataclasses.replace(mz, positions=mz.positions[:, P:])
+            y, cache = paged_layer(params, s.n, s.x[:z, P:], cache, own, cfg, attention)
+            y = jnp.concatenate([s.x[:z, :P], y], axis=1)
+        else:  # a pending query runs the layers its token skipped; elsewhere its
             # position is made invalid (>= kv_len): it writes nothing and keeps its state
-            runs = (s.pend[:z] <= s.n) & s.running[:z]  # [z]
-            mz = dataclasses.replace(mz, positions=mz.positions.at[:, 0].set(
-                jnp.where(runs, mz.positions[:, 0], mz.kv_lens)))
+            runs = (s.pend[:z] <= s.n) & s.running[:z, None]  # [z, P]
+            mz = dataclasses.replace(mz, positions=mz.positions.at[:, :P].set(
+                jnp.where(runs, mz.positions[:, :P], mz.kv_lens[:, None])))
             y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
-            y = y.at[:, 0].set(jnp.where(runs[:, None], y[:, 0], s.x[:z, 0]))
+            y = y.at[:, :P].set(jnp.where(runs[..., None], y[:, :P], s.x[:z, :P]))
         return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
                                    work=s.work + z), cache
 
@@ -391,7 +422,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
 
         c = (s, cache)
         # below the lowest pending token of a running row (L: none), one query a row
-        lowest = jnp.min(jnp.where(s.running, s.pend, L)) if deferred else L
+        lowest = jnp.min(jnp.where(s.running[:, None], s.pend, L)) if deferred else L
         # the layer that brings n to `start` is followed by the first check
         no_check = jnp.minimum(jnp.where(can_exit, start - 1, L), lowest)
         c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < no_check),
@@ -405,7 +436,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     if deferred:
         meta, x = _with_pending(meta, x, pending)  # [B, 2], [B, 2, D]
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
-              pend=jnp.where(active, pending.layer, L), running=active,
+              pend=jnp.where(active[:, None], pending.layer, L), running=active,
               done=jnp.zeros((B,), bool), check=exit_checks.init_check_state(x[:, -1], ec),
               h_exit=x[:, -1], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
@@ -422,6 +453,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     left = active & (exit_layer < L)
     logits = _exit_logits(params, heads, h_exit, exit_layer, active, s, table, cfg, policy,
                           keep_logits)
+    if verify:
+        return _finish_run(params, s, pending, h_exit, logits, exit_layer, active, cfg), cache
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
     first = ec.first_exit or 0
     # back-fill "learned" / "deferred_learned": each row's fitted maps for its exit (table: -1
@@ -440,14 +473,50 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # becomes the pending one and the older token's layers >= e get K/V propagated from its
     # state at e (its deepest), overwriting those propagated from where it left (with the
     # learned correction under "deferred_learned").
-    old = jnp.zeros((B,), jnp.int32).at[s.perm].set(s.pend)  # original row order
+    old = jnp.zeros((B,), jnp.int32).at[s.perm].set(s.pend[:, 0])  # original row order
     h_old = jnp.zeros_like(h_exit).at[s.perm].set(s.x[:, 0])
     refill = left & (exit_layer > old)
     n_done = jnp.stack([jnp.where(refill, exit_layer, L), n_done], axis=1)  # [B, 2]
     cache = backfill(params, cache, jnp.stack([h_old, h_exit], axis=1), n_done, meta, cfg,
                      first, any_exit=jnp.any(left), learned=learned)
     return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
-                      pending=Pending(h_exit, jnp.where(left, exit_layer, L))), cache
+                      pending=dataclasses.replace(
+                          Pending.none(B, cfg), h=h_exit[:, None],
+                          layer=jnp.where(left, exit_layer, L)[:, None])), cache
+
+
+def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, active,
+                cfg: ModelConfig) -> StepResult:
+    """The end of a verify step (DESIGN section 5b). Every entry of a row's run rode along
+    as far as the row ran. A row that left at its exit e drafted: its run shifts by one and
+    takes its own token (state at e, depth e; the runner fills the draft the exit head
+    made), its older entries now at depth max(theirs, e); its K/V above e are left as they
+    are (no back-fill: the run's next steps complete them before any later token reads
+    them). A row that ran every layer verifies: the final head scores each entry, and the
+    run is emptied (the runner keeps the longest confirmed prefix)."""
+    L = cfg.n_layers
+    B, P = run.layer.shape
+    left = active & (exit_layer < L)
+    verified = active & ~left
+    pend = jnp.zeros((B, P), jnp.int32).at[s.perm].set(s.pend)  # original row order
+    depth = jnp.where(pend < exit_layer[:, None], exit_layer[:, None], pend)  # [B, P]
+    hs = jnp.zeros_like(s.x[:, :P]).at[s.perm].set(s.x[:, :P])  # [B, P, D]
+    run_logits = jax.lax.cond(
+        jnp.any(verified), lambda: llama.final_head(params, hs, cfg),
+        lambda: jnp.zeros((B, P, cfg.vocab_size), jnp.float32))
+    empty = Pending.none(B, cfg, P)
+    own = left[:, None]
+
+    def shift(old, new, fill):  # [B, P]: entries 1.. move down, the row's own token last
+        drafted = jnp.concatenate([old[:, 1:], new[:, None].astype(old.dtype)], axis=1)
+        return jnp.where(own if drafted.ndim == 2 else own[..., None], drafted, fill)
+
+    nxt = Pending(h=shift(hs, h_exit.astype(hs.dtype), empty.h),
+                  layer=shift(depth, exit_layer, empty.layer),
+                  token=shift(run.token, jnp.full((B,), -1, jnp.int32), empty.token),
+                  exit=shift(run.exit, exit_layer, empty.exit))
+    return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
+                      pending=nxt, run_logits=run_logits)
 
 
 def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
