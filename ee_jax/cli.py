@@ -264,7 +264,7 @@ def _exit_kwargs(args, model) -> dict:
         trained = model.shipped_exit_heads()
     if trained is not None:
         ec, heads = trained  # (the runner gathers the subset's LM-head rows once)
-        ec = dataclasses.replace(ec, **overrides)
+        ec = _verified(dataclasses.replace(ec, **overrides), args)
         prior = (load_exit_prior(args.exit_heads, model.config, ec) if args.exit_heads
                  else model.shipped_exit_prior(ec))
         return {"exit_config": ec, "exit_heads": heads, "exit_prior": prior}
@@ -272,8 +272,24 @@ def _exit_kwargs(args, model) -> dict:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
                     threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"))
-    return {"exit_config": ec}
+                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"),
+                    force_exit_layer=args.draft_layer)
+    return {"exit_config": _verified(ec, args)}
+
+
+def _verified(ec: ExitConfig, args) -> ExitConfig:
+    """--verify-exits / --max-draft / --draft-layer on top of the heads' config."""
+    if args.draft_layer is not None and not args.exit_layers:
+        raise SystemExit("--draft-layer needs --exit-layers naming it (untrained norm heads, "
+                         "e.g. a LayerSkip checkpoint: --exit-layers 8 --draft-layer 8)")
+    if not args.verify_exits:
+        if args.max_draft is not None:
+            raise SystemExit("--max-draft needs --verify-exits")
+        return ec
+    if args.backfill not in (None, "deferred"):
+        raise SystemExit(f"--verify-exits writes exact K/V by riding along (backfill "
+                         f"deferred); drop --backfill {args.backfill}")
+    return ec.verified(args.max_draft)
 
 
 def _tune(args) -> int:
@@ -566,6 +582,17 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "learned (fitted maps, shipped with the heads) saves the layers at near "
                    "deferred's fidelity; deferred_learned completes exactly what the next "
                    "step runs anyway and uses the maps for the rest; see docs/early_exit.md")
+    e.add_argument("--verify-exits", action=argparse.BooleanOptionalAction, default=False,
+                   help="lossless early exit: a token that exits is a draft, checked by the "
+                   "layers it skipped; only what the full model confirms is emitted (the "
+                   "output is --no-early-exit's; the threshold only sets the speed)")
+    e.add_argument("--max-draft", type=int, default=None,
+                   help="--verify-exits: the longest run of drafts before it is verified "
+                   "(default: the exit config's, 4)")
+    e.add_argument("--draft-layer", type=int, default=None,
+                   help="draft every token at this exit (of --exit-layers), whatever its "
+                   "confidence: LayerSkip's self-speculation (with --verify-exits "
+                   "--max-draft N for its num_speculations N)")
     e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
                    help="auto (default): per batch size, run the exit program only where the "
                    "cost model says its checks pay, else full depth; exits: always the exit "

@@ -345,8 +345,11 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         n, h = s.n, s.x[:, -1]  # the row's own token (the last query)
         checks, logits_buf = s.checks, s.logits
         if force is not None:
-            # (a row whose threshold no confidence reaches stays: verify's limits use it)
-            confident = (n == force) & (thresholds[s.perm] <= 1.0)
+            # forcing ignores confidence; under verify a row whose threshold is NEVER still
+            # stays (the engine's limits: a full run, a last token, must verify)
+            confident = jnp.broadcast_to(n == force, (B,))
+            if verify:
+                confident = confident & (thresholds[s.perm] <= 1.0)
             state = s.check
         else:
             conf, logits, part = exit_checks.check_confidence(

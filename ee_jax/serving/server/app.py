@@ -66,7 +66,8 @@ def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> Fast
     max_prompt = config.max_prompt_tokens or engine.config.max_model_len - 1
     limits = Limits(max_model_len=engine.config.max_model_len,
                     max_prompt_tokens=min(max_prompt, engine.config.max_model_len - 1),
-                    vocab_size=mcfg.vocab_size, has_exits=engine.exit_config is not None)
+                    vocab_size=mcfg.vocab_size, has_exits=engine.exit_config is not None,
+                    verifies=engine.verify)
     metrics = ServerMetrics(mcfg.n_layers, engine.blocks.num_pages)
     loop = EngineLoop(engine, metrics)
     state = _State(engine, loop, metrics, config, limits)

@@ -69,6 +69,7 @@ class EngineLoop:
         # Engine stats already counted (or from before this server): counters take deltas.
         s = engine.stats
         self._preemptions, self._compiles = s.num_preemptions, s.num_compiles
+        self._drafted, self._accepted = s.num_drafted, s.num_accepted
         self._compile_time = s.compile_time
         self._decode_steps = -1
 
@@ -203,6 +204,11 @@ class EngineLoop:
         self.metrics.preemptions.inc(stats.num_preemptions - self._preemptions)
         self.metrics.compiles.inc(stats.num_compiles - self._compiles)
         self.metrics.compile_seconds.inc(stats.compile_time - self._compile_time)
+        self.metrics.drafted.inc(stats.num_drafted - self._drafted)
+        self.metrics.accepted.inc(stats.num_accepted - self._accepted)
+        self._drafted, self._accepted = stats.num_drafted, stats.num_accepted
+        if stats.acceptance_rate is not None:
+            self.metrics.acceptance.set(stats.acceptance_rate)
         self._preemptions, self._compiles = stats.num_preemptions, stats.num_compiles
         self._compile_time = stats.compile_time
         self.metrics.pages_used.set(self.engine.blocks.num_used_pages)

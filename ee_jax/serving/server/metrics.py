@@ -61,6 +61,13 @@ class ServerMetrics:
                                    registry=r)
         self.work_fraction = Gauge("eejax_work_fraction", "Layers x rows computed by decode "
                                    "steps / the same steps at full depth", registry=r)
+        # Verified exits (ExitConfig.verify): drafts made and drafts the full model confirmed.
+        self.drafted = Counter("eejax_drafted_tokens", "Drafts the exit heads made (verified "
+                               "exits)", registry=r)
+        self.accepted = Counter("eejax_accepted_tokens", "Drafts the full model confirmed "
+                                "(verified exits)", registry=r)
+        self.acceptance = Gauge("eejax_acceptance_rate", "eejax_accepted_tokens_total / "
+                                "eejax_drafted_tokens_total", registry=r)
         self.running = Gauge("eejax_requests_in_engine", "Requests in the engine (running or "
                              "waiting)", registry=r)
         self._lock = threading.Lock()

@@ -52,6 +52,9 @@ class _Body(BaseModel):
     ignore_eos: bool = False
     exit_threshold: float | None = None
     early_exit: bool | None = None
+    # verified exits: true asks that the output be full depth's (a server started with
+    # --verify-exits, or any server's early_exit false); false: no drafts (full depth)
+    verify_exits: bool | None = None
 
 
 class CompletionBody(_Body):
@@ -91,6 +94,7 @@ class Limits:
     max_prompt_tokens: int
     vocab_size: int
     has_exits: bool
+    verifies: bool = False  # exits are verified drafts (ExitConfig.verify): lossless
 
 
 def _check_unsupported(body: _Body) -> None:
@@ -199,7 +203,11 @@ def sampling_params(body: _Body, prompt_len: int, index: int, limits: Limits,
                        "max_completion_tokens" if chat and body.max_completion_tokens
                        is not None else "max_tokens")
     threshold = body.exit_threshold
-    if body.early_exit is False:
+    if body.verify_exits and limits.has_exits and not limits.verifies:
+        raise ApiError(400, "this server's early exits are not verified (their tokens may "
+                       "differ from full depth's): start it with --verify-exits, or send "
+                       "early_exit: false for full depth", "verify_exits")
+    if body.early_exit is False or body.verify_exits is False:
         threshold = float("inf")
     elif threshold is not None and not limits.has_exits:
         raise ApiError(400, "this server runs at full depth (no exit heads): leave "

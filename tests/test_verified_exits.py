@@ -1,0 +1,243 @@
+"""Verified exits (ExitConfig.verify, DESIGN section 5b): exit-head drafts checked by the
+layers they skipped; the output is exactly full depth's.
+
+Truths: the dense full-depth forward (greedy tokens, and every K/V an accepted position holds
+in the cache), and the full-depth engine's seeded samples (its sampler is tested in
+test_sampling.py; a verified row samples every position with the same key, so equal seeds
+must give equal tokens). Exit patterns vary by per-request thresholds (a runtime input: one
+compiled program per engine serves them all) and by `max_draft` (one engine each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ee_jax.models import exit_heads, llama
+from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.serving.controller import ControllerConfig
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.kv_cache import gather_layer
+from ee_jax.serving.params import SamplingParams
+from ee_jax.testing import tiny_config
+from tests.reference import dense_greedy, run_requests
+
+CFG = tiny_config(eos_token_ids=())  # 4 layers, vocab 128
+# small init scale: the exits' greedy tokens often agree with the last layer's (drafts are
+# accepted as well as rejected, runs of every length occur)
+PARAMS = llama.init_params(CFG, jax.random.PRNGKey(5), scale=0.1)
+L = CFG.n_layers
+EXIT_LAYERS = (1, 2, 3)
+RNG = np.random.default_rng(11)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (5, 23, 1, 12)]
+MAX_NEW = 14
+
+
+def _ec(policy: str, max_draft: int, **kw) -> ExitConfig:
+    return ExitConfig(exit_layers=EXIT_LAYERS, threshold=0.0, policy=policy,
+                      **kw).verified(max_draft)
+
+
+def _heads(ec, noise: float):
+    """Norm heads: the final norm (LayerSkip's shared head), perturbed by `noise`."""
+    heads = exit_heads.init_heads(CFG, ec, PARAMS)
+    eps = jax.random.normal(jax.random.PRNGKey(3), heads["norm"].shape)
+    return dict(heads, norm=heads["norm"] * (1 + noise * eps))
+
+
+def _engine(ec=None, heads=None, **kw) -> LLMEngine:
+    base = dict(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+                max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(1, 4),
+                attention="reference", exit_control=ControllerConfig(mode="exits"))
+    base.update(kw)
+    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base), ec, heads)
+
+
+# (policy, max_draft, head noise): batch-wide and per-row exits, runs of 1, 3 and 8
+CONFIGS = {"per_row-3": ("per_row", 3, 0.0), "all-8": ("all", 8, 0.0),
+           "per_row-1": ("per_row", 1, 0.3)}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    out = {}
+    for name, (policy, max_draft, noise) in CONFIGS.items():
+        ec = _ec(policy, max_draft)
+        out[name] = _engine(ec, _heads(ec, noise))
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_engine():
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return [dense_greedy(CFG, PARAMS, p, MAX_NEW) for p in PROMPTS]
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_full_depth_with_drafts_kept_and_dropped(engines, dense, name):
+    """Batch 4 (prompts of 1-23 tokens, rows drafting and verifying at different steps) and
+    batch 1: tokens equal the dense forward's; drafts were both confirmed and rejected."""
+    eng = engines[name]
+    before = dataclasses.replace(eng.stats)
+    outs = run_requests(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == dense
+    assert all(o.finish_reason == "length" for o in outs)
+    drafted = eng.stats.num_drafted - before.num_drafted
+    accepted = eng.stats.num_accepted - before.num_accepted
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert sum(o.metrics.num_drafted for o in outs) == drafted
+    # every emitted token counted once, in the request's exit layers too
+    assert all(len(o.exit_layers) == len(o.token_ids) == len(o.logprobs or o.token_ids)
+               for o in outs)
+    one = run_requests(eng, PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert one[0].token_ids == dense[1]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(thresholds=st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.5, 0.9, NEVER]),
+                           min_size=4, max_size=4),
+       max_tokens=st.lists(st.integers(1, MAX_NEW), min_size=4, max_size=4),
+       name=st.sampled_from(list(CONFIGS)))
+def test_any_exit_pattern_is_lossless(engines, dense, thresholds, max_tokens, name):
+    """Per-request thresholds (from 'every token drafts' to 'never') and length limits that
+    fall inside runs: every request's tokens are the dense forward's prefix."""
+    params = [SamplingParams(temperature=0, max_tokens=n, exit_threshold=t)
+              for t, n in zip(thresholds, max_tokens, strict=True)]
+    outs = run_requests(engines[name], PROMPTS, params)
+    for o, ref, n in zip(outs, dense, max_tokens, strict=True):
+        assert o.token_ids == ref[:n]
+
+
+def test_cache_holds_full_depths_kv_at_every_confirmed_position(engines):
+    """Mid-generation (runs in flight), the K/V at every position before the row's first
+    unconfirmed token equal the dense forward's in every layer."""
+    eng = engines["per_row-3"]
+    eng.add_request("kv", PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    seq = eng._requests["kv"]
+    seen_drafts = False
+    for _ in range(9):
+        eng.step()
+        seen_drafts |= seq.num_draft > 0
+    assert seen_drafts and not seq.finished
+    tokens = seq.prompt_token_ids + seq.output_token_ids
+    n = len(tokens) - seq.num_draft - 1  # positions whose K/V are confirmed and complete
+    hidden = llama.forward(PARAMS, jnp.asarray([tokens]), CFG, return_hidden=True)[1]
+    inputs = [llama.embed(PARAMS, jnp.asarray([tokens]), CFG)] + [hidden[j] for j in range(L - 1)]
+    pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    table = jnp.asarray([eng.blocks.page_table(seq.seq_id)], jnp.int32)
+    for j in range(L):
+        k_ref, v_ref = llama.kv_project(llama.layer_params(PARAMS, j), inputs[j], pos, CFG)
+        k, v = gather_layer(eng.runner.cache, j, table)
+        np.testing.assert_allclose(np.asarray(k[0, :n]), np.asarray(k_ref[0, :n]), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(v[0, :n]), np.asarray(v_ref[0, :n]), atol=2e-5)
+    eng.abort_request("kv")
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("name", ["per_row-3", "all-8"])
+def test_seeded_samples_equal_full_depths(engines, full_engine, name):
+    """Temperature, top-k and top-p with seeds: the verified engine emits exactly the
+    full-depth engine's samples (same key per position), so the distribution is the full
+    model's; a seeded request repeats whatever shares its batch (alone vs in a batch of 4
+    under the batch-wide rule, where the others decide when it drafts)."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=MAX_NEW)
+              for t, k, p, s in ((0.8, 0, 1.0, 1), (1.0, 20, 1.0, 2), (1.2, 0, 0.9, 3),
+                                 (0.6, 5, 0.8, 4))]
+    ref = run_requests(full_engine, PROMPTS, params)
+    eng = engines[name]
+    before = eng.stats.num_accepted
+    outs = run_requests(eng, PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert eng.stats.num_accepted > before
+    alone = run_requests(eng, PROMPTS[2:3], params[2])
+    assert alone[0].token_ids == ref[2].token_ids
+
+
+# --------------------------------------------------------------------------- the engine around
+
+
+def test_stream_shows_only_confirmed_tokens_and_stops_inside_runs(engines, dense):
+    """Every streamed output's tokens are a prefix of the final ones (no rejected draft is
+    ever shown); a stop token met inside a run ends the request there, as full depth."""
+    eng = engines["all-8"]
+    stop = dense[0][5]
+    eng.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                    stop_token_ids=(stop,)))
+    eng.add_request("t", PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    streamed = {"s": [], "t": []}
+    finals = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            streamed[o.request_id].append(list(o.token_ids))
+            if o.finished:
+                finals[o.request_id] = o
+    assert finals["s"].token_ids == dense[0][:dense[0].index(stop) + 1]
+    assert finals["s"].finish_reason == "stop"
+    assert finals["t"].token_ids == dense[1]
+    for rid, seen in streamed.items():
+        final = finals[rid].token_ids
+        assert all(final[:len(s)] == s for s in seen)
+        assert all(len(a) <= len(b) for a, b in zip(seen, seen[1:]))
+
+
+def test_preemption_aborts_and_mixed_steps_keep_the_output(dense):
+    """A pool too small for every row (the newest is preempted, its drafts dropped and its
+    confirmed tokens recomputed), requests arriving mid-run (prefill steps beside drafting
+    rows) and an abort among them: every finished request's tokens are full depth's."""
+    ec = _ec("per_row", 3)
+    eng = _engine(ec, _heads(ec, 0.0), num_pages=11)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    eng.add_request("a0", PROMPTS[0], sp)
+    eng.add_request("a1", PROMPTS[1], sp)
+    outs = {}
+    for i in range(400):
+        if i == 3:
+            eng.add_request("a2", PROMPTS[2], sp)
+            eng.add_request("x", PROMPTS[3], sp)
+        if i == 6:
+            outs["x"] = eng.abort_request("x")
+        if i == 8:
+            eng.add_request("a3", PROMPTS[3], sp)
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    assert eng.stats.num_preemptions > 0 and eng.stats.num_mixed_steps > 0
+    assert eng.stats.num_accepted > 0
+    for i in range(4):
+        assert outs[f"a{i}"].token_ids == dense[i]
+    assert outs["x"].finish_reason == "abort"
+
+
+def test_steady_state_compiles_one_program_per_shape(engines):
+    eng = engines["per_row-3"]
+    run_requests(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert all(n == 1 for n in eng.runner.traces.values()), eng.runner.traces
+
+
+# --------------------------------------------------------------------------- bad settings
+
+
+def test_bad_settings_name_the_setting():
+    with pytest.raises(ExitConfigError, match="max_draft"):
+        ExitConfig(exit_layers=(1,), verify=True, max_draft=0)
+    with pytest.raises(ExitConfigError, match="backfill"):
+        ExitConfig(exit_layers=(1,), verify=True, backfill="learned")
+    with pytest.raises(ExitConfigError, match="out of range"):
+        _engine(ExitConfig(exit_layers=(1, L)).verified(2))
