@@ -108,14 +108,26 @@ def honest_ideal(cfg, ec, heads, stats) -> float:
     return stats.ideal_speedup_with_head(cfg, ec, memory_bound_batch=1, maps_rank=rank)
 
 
+def verified_ideal(cfg, ec, stats) -> float:
+    """The honest ideal of a verified-exits run (`exit_cost.verified_speedup`): its decode
+    steps' layers, checks and heads per emitted token, memory-bound (riding queries free)."""
+    from ee_jax.models.exit_cost import cost_model, verified_speedup
+
+    return verified_speedup(cost_model(cfg, ec), stats.step_exit_counts,
+                            stats.num_decode_tokens)
+
+
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
-            backfills: tuple[str, ...], overhead: bool = False, default: bool = True) -> dict:
+            backfills: tuple[str, ...], overhead: bool = False, default: bool = True,
+            verify: tuple[tuple[int, float], ...] = ()) -> dict:
     """Full depth vs an exit engine per back-fill (the exit program always: controller mode
     "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
     `default`, also the engine as a user gets it (the heads' back-fill, controller "auto"
     from the shipped calibration's prior: full depth wherever checks do not pay); with
     `overhead`, the exit engine at threshold 1.0 (every check runs, no row leaves: what the
-    checks and the exit loop cost)."""
+    checks and the exit loop cost); per (max_draft, threshold) in `verify`, verified exits
+    (`ExitConfig.verified`), which serve the prompts freely, greedy: lossless, their tokens
+    must be the references (`agree` is then the share of sequences identical to them)."""
     from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.params import greedy
 
@@ -133,19 +145,25 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
         engines["default (auto)"] = make_llm(  # as LLM() serves the shipped heads
             model, ec, heads, batch, max_len,
             exit_control=ControllerConfig(prior=model.shipped_exit_prior(ec) or None))
+    verified = {}
+    for d, t in verify:
+        name = f"verified, max_draft {d}, threshold {t}"
+        ecs[name] = verified[name] = dataclasses.replace(ec, threshold=t).verified(d)
+        engines[name] = make_llm(model, ecs[name], heads, batch, max_len, exit_control=forced)
     if overhead:
         engines["checks only"] = make_llm(model, dataclasses.replace(ec, threshold=1.0), heads,
                                           batch, max_len, exit_control=forced)
     params = forced_params(refs)
+    free = [greedy(len(r)) for r in refs]  # verified engines: the same tokens, unforced
     res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
     for name, llm in engines.items():  # warm-up: every program these sequences need
-        s = serve(llm, prompts, params)
+        s = serve(llm, prompts, free if name in verified else params)
         res[name]["compile"] = s.compile_time
     for rep in range(repeats):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # interleaved
         tps = {}
         for name in order:
-            s = serve(engines[name], prompts, params)
+            s = serve(engines[name], prompts, free if name in verified else params)
             r = res[name]
             tps[name] = s.stats.decode_tokens_per_s
             r["tps"].append(tps[name])
@@ -153,9 +171,15 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             if name in ecs and rep == 0:
                 ex = exit_summary(s.stats, model.config, ecs[name])
                 r.update(mean=ex["mean_layers"], hist=ex["row_hist"],
-                         ideal=honest_ideal(model.config, ecs[name], heads, s.stats),
-                         agree=agreement(s.outputs, refs),
-                         split=split_agreement(s.outputs, refs, L))
+                         ideal=honest_ideal(model.config, ecs[name], heads, s.stats))
+                if name in verified:  # lossless: its own tokens are the references
+                    same = [o.token_ids == ref for o, ref in zip(s.outputs, refs, strict=True)]
+                    r.update(agree=float(np.mean(same)), split=(float("nan"),) * 2 + (0,),
+                             accept=s.stats.acceptance_rate, drafted=s.stats.num_drafted,
+                             ideal=verified_ideal(model.config, ecs[name], s.stats))
+                else:
+                    r.update(agree=agreement(s.outputs, refs),
+                             split=split_agreement(s.outputs, refs, L))
                 ctl = engines[name].engine.controller
                 r["program"] = ctl.summary() if ctl is not None else "-"
         log(f"    round {rep + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())
@@ -173,6 +197,7 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
                                  ratios=res[k]["ratios"], mean=res[k].get("mean", L),
                                  hist=res[k].get("hist", ""), ideal=res[k].get("ideal", 1.0),
                                  agree=res[k].get("agree", 1.0), program=res[k].get("program"),
+                                 accept=res[k].get("accept"), drafted=res[k].get("drafted"),
                                  split=res[k].get("split", (1.0, 1.0, 0))) for k in ecs})
 
 
@@ -240,6 +265,9 @@ def main(argv=None) -> int:
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",
                    help="also the exit engine at threshold 1.0 (checks run, no exit)")
+    p.add_argument("--verify", nargs="*", default=[], metavar="MAX_DRAFT:THRESHOLD",
+                   help="also verified exits (lossless, served unforced) at these settings, "
+                   "e.g. 4:0.9 8:0.5")
     p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.shipped_exits section is (re)written")
@@ -283,12 +311,16 @@ def main(argv=None) -> int:
             run_ec = dataclasses.replace(ec, policy=pol)
             log(f"{w}: batch {b}, policy {pol}, back-fills {args.backfills}, "
                 f"{len(prompts)} prompts")
+            verify = tuple((int(d), float(t)) for d, _, t in
+                           (v.partition(":") for v in args.verify))
             r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
-                        tuple(args.backfills), args.overhead)
+                        tuple(args.backfills), args.overhead, verify=verify)
             ctx["rows"].append(((w, b, pol), r))
             for name, e in r["engines"].items():
+                acc = (f", acceptance {e['accept']:.3f} of {e['drafted']} drafts"
+                       if e.get("accept") is not None else "")
                 log(f"  {w} batch {b} {pol} {name}: {e['ratio']:.2f}x, TF {e['agree']:.3f}, "
-                    f"mean layers {e['mean']:.2f}, honest ideal {e['ideal']:.2f}x")
+                    f"mean layers {e['mean']:.2f}, honest ideal {e['ideal']:.2f}x{acc}")
             text = render(ctx)
             if args.out:  # after every row: a long run leaves what it has
                 write_marked(args.out, text, MARK)
