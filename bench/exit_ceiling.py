@@ -82,6 +82,50 @@ def replay(cm, seqs: list[list[int]], batch: int, backfill: str, kv: float, maps
     return full / total if total else 1.0
 
 
+def verified_rows(cm, conf, agree, E, L, row_of, n, threshold, max_drafts) -> list[str]:
+    """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
+    threshold and the best threshold of a grid, per max_draft."""
+    from ee_jax.models import exit_cost
+
+    def ceiling(lay, ok, d):
+        total = cost_tokens = 0.0
+        acc = drafts = 0
+        for r in range(n):
+            sel = row_of == r
+            if not sel.any():
+                continue
+            sp, a, k = exit_cost.verified_sequence_speedup(cm, lay[sel].tolist(),
+                                                           ok[sel].tolist(), d)
+            total += sel.sum() / sp  # cost in full-depth tokens
+            cost_tokens += sel.sum()
+            acc += a * k if k else 0
+            drafts += k
+        return cost_tokens / total, (acc / drafts if drafts else float("nan")), drafts
+
+    def rule(t):
+        lay, slot = first_exit(conf, t, E, L)
+        ok = (slot >= 0) & agree[np.maximum(slot, 0), np.arange(agree.shape[1])]
+        return lay, ok
+
+    oracle = np.where(agree.any(0), E[np.argmax(agree, 0)], L)
+    grid = np.unique(np.concatenate([np.linspace(0.1, 0.99, 90), 1 - np.logspace(-2, -4, 12)]))
+    out = []
+    tokens = agree.shape[1]
+    for d in max_drafts:
+        sp, a, k = ceiling(oracle, np.ones(tokens, bool), d)
+        out.append(f"oracle | - | {d} | {k / tokens:.2f} | {a:.3f} | {sp:.2f}x")
+        lay, ok = rule(threshold)
+        sp, a, k = ceiling(lay, ok, d)
+        out.append(f"heads' threshold | {threshold:.3f} | {d} | {k / tokens:.2f} | {a:.3f} | "
+                   f"{sp:.2f}x")
+        best = max(((ceiling(*rule(t), d), t) for t in grid), key=lambda x: x[0][0])
+        (sp, a, k), t = best
+        out.append(f"best threshold | {t:.3f} | {d} | {k / tokens:.2f} | {a:.3f} | {sp:.2f}x")
+    for r in out:
+        log("verified: " + r)
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.exit_ceiling",
@@ -92,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05])
     p.add_argument("--limit", type=int, default=None,
                    help="prompts per calibration group (default: the preset's)")
+    p.add_argument("--max-drafts", type=int, nargs="+", default=[2, 4, 8],
+                   help="verified exits: runs of at most this many drafts")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -124,6 +170,7 @@ def main(argv=None) -> int:
     modes = [(bf, b) for bf in ("deferred", "propagate", "learned") for b in (1, 8)]
     log(f"calibration split of {args.config} (self-generated answers, cached in {tc.work_dir})")
     groups = calibration_rows(tc, model)
+    verified: dict[str, list[str]] = {}
     lines = ["### The honest ceiling per back-fill (`bench/exit_ceiling.py`)", "",
              f"Command: `python -m bench.exit_ceiling {' '.join(argv)}`. Run "
              f"{time.strftime('%Y-%m-%d %H:%M')}. Heads: {what} ({len(E)} exits "
@@ -162,6 +209,8 @@ def main(argv=None) -> int:
                          f"{lay.mean():.2f} | {np.mean(lay < L):.0%} | "
                          + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
+        verified[g] = verified_rows(cm, conf, agree, E, L, row_of, n, ec.threshold,
+                                    args.max_drafts)
     lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
               "by side, per_row, compute-bound (per row). Deferred: the pending token rides "
               "along in the layers the new token runs (memory-bound: no weight more; "
@@ -169,6 +218,17 @@ def main(argv=None) -> int:
               f"All: the skipped layers' K/V "
               f"projections ({kv:.3f} of a layer each; learned + {maps:.3f} for its rank-"
               f"{rank} maps)."]
+    lines += ["", "#### Verified exits (lossless): the ceiling per draft rule and max_draft", "",
+              "Batch 1, memory-bound: a draft step costs its exit's layers, checks and exit "
+              "head; a verify step every layer, the checks and the final head (the run rides "
+              "on its weights); rejected drafts and the drafts after them are paid "
+              "(`exit_cost.verified_sequence_speedup`). Oracle: every token drafts at its "
+              "first agreeing exit, never rejected. Best: the threshold of the grid with the "
+              "highest ceiling at that max_draft.", "",
+              "| group | draft rule | threshold | max_draft | drafts / token | acceptance | "
+              "ideal speed-up |", "|---|---|---:|---:|---:|---:|---:|"]
+    for g, rows_ in verified.items():
+        lines += [f"| {g} | {r} |" for r in rows_]
     text = "\n".join(lines) + "\n"
     if args.out:
         write_marked(args.out, text, MARK)

@@ -219,9 +219,12 @@ def render(ctx) -> str:
     for (w, b, pol), r in ctx["rows"]:
         for name, e in r["engines"].items():
             rounds = ", ".join(f"{x:.2f}" for x in e["ratios"])
+            quality = (f"{e['agree']:.3f} ({e['split'][0]:.3f} / {e['split'][1]:.3f})"
+                       if e.get("accept") is None else
+                       f"identical: {e['agree']:.3f} of sequences; acceptance "
+                       f"{e['accept']:.3f} of {e['drafted']} drafts")
             out.append(f"| {w} | {b}, {pol} | {name} | {r['tokens']} | {e['tps']:.1f} "
-                       f"({r['full']:.1f}) | **{e['ratio']:.2f}x** ({rounds}) | "
-                       f"{e['agree']:.3f} ({e['split'][0]:.3f} / {e['split'][1]:.3f}) | "
+                       f"({r['full']:.1f}) | **{e['ratio']:.2f}x** ({rounds}) | {quality} | "
                        f"{e['mean']:.2f} | {e['ideal']:.2f}x | {100 * r['contention']:.0f}% | "
                        f"{e['hist']} |")
         co = r["checks_only"]
@@ -239,7 +242,10 @@ def render(ctx) -> str:
             "its cost model says checks do not pay). TF agreement: the predicted token equals "
             "the forced full-depth token. Honest ideal: `exit_cost.step_speedup` of the "
             "engine's exit histogram (memory-bound at batch 1, compute-bound above; deferred's "
-            "pending tokens run their layers). Max contention: the largest share of the CPU "
+            "pending tokens run their layers; verified: `exit_cost.verified_speedup` of its "
+            "steps, riding drafts free). `verified, ...`: lossless (`ExitConfig.verified`), "
+            "served unforced; identical: the share of its sequences equal to full depth's "
+            "(1.000 is the contract). Max contention: the largest share of the CPU "
             "other processes used during any measured pass."]
     return "\n".join(out) + "\n"
 

@@ -115,6 +115,12 @@ def _generate(args) -> int:
         if llm.engine.controller is not None:  # None: exits disabled (policy "never")
             print(f"exit program per batch size: {llm.engine.controller.summary()}",
                   file=sys.stderr)
+        if ec.verify:
+            rate = s.acceptance_rate
+            print(f"verified exits (max_draft {ec.max_draft}): {s.num_drafted} drafts, "
+                  f"{s.num_accepted} confirmed (acceptance "
+                  f"{'-' if rate is None else f'{rate:.3f}'}), {s.num_verify_steps} verify "
+                  f"steps; every emitted token is full depth's", file=sys.stderr)
     return 0 if all(o.error is None for o in outs) else 1
 
 
@@ -425,6 +431,8 @@ def _compile(args) -> int:
         ec = None
     elif ec is not None and args.exit_policy:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
+    if ec is not None and args.verify_exits:
+        ec = ec.verified(args.max_draft)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           page_size=args.page_size, num_pages=args.num_pages,
                           mesh=args.mesh, attention=args.attention)
@@ -495,6 +503,10 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--every-policy", action="store_true", help="exit programs under every "
                    "policy (all, per_row) and back-fill mode (deferred, propagate), and per_row "
                    "under the back-fills with fitted maps (learned, deferred_learned)")
+    c.add_argument("--verify-exits", action="store_true", help="the exit programs as verified "
+                   "exits (the run of drafts riding along, the final head over it)")
+    c.add_argument("--max-draft", type=int, default=None, help="--verify-exits: drafts a run "
+                   "(default: the exit config's)")
     c.add_argument("--decode-only", action="store_true", help="no prefill programs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_compile)

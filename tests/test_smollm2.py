@@ -97,3 +97,35 @@ def test_stop_string_is_cut_from_the_text(llm):
     out = llm.chat(CHATS[0], greedy(32, stop=("Paris",)), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and "Paris" not in out.text
     assert out.text.startswith("The capital of France is")
+
+
+def test_verified_exits_emit_full_depths_tokens(smollm2):
+    """The shipped heads as verified drafts (exits taken often: threshold 0.5, runs of 4),
+    batch 3 of mixed lengths, 32 tokens past EOS, against the dense forward: equal, except
+    where the dense forward's top two logits tie (within 1e-4: the ride-along's other
+    batching may order them differently), counted; drafts were confirmed and rejected."""
+    import dataclasses
+
+    from ee_jax.serving.controller import ControllerConfig
+
+    ec, heads = smollm2.shipped_exit_heads()
+    ec = dataclasses.replace(ec, threshold=0.5, policy="per_row").verified(4)
+    llm = LLM(smollm2, exit_config=ec, exit_heads=heads, max_num_seqs=4, max_model_len=512,
+              page_size=16, progress=False, exit_control=ControllerConfig(mode="exits"))
+    tok = smollm2.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
+    outs = llm.generate(prompts, greedy(32, ignore_eos=True), use_tqdm=False)
+    s = llm.engine.stats
+    assert 0 < s.num_accepted < s.num_drafted
+    ties = 0
+    for ids, out in zip(prompts, outs, strict=True):
+        ref = dense_greedy(smollm2.config, smollm2.params, ids, 32, width=128)
+        diff = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
+        if diff is None:
+            continue
+        logits = np.asarray(llama.forward(
+            smollm2.params, np.asarray([ids + ref[:diff]]), smollm2.config))[0, -1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] < 1e-4, (diff, top2)
+        ties += 1
+    assert ties <= 1, ties

@@ -241,3 +241,46 @@ def test_bad_settings_name_the_setting():
         ExitConfig(exit_layers=(1,), verify=True, backfill="learned")
     with pytest.raises(ExitConfigError, match="out of range"):
         _engine(ExitConfig(exit_layers=(1, L)).verified(2))
+
+
+# --------------------------------------------------------------------------- cost, by hand
+
+
+def test_verified_costs_count_drafts_verifies_and_thrown_work():
+    from ee_jax.models.exit_cost import CostModel, verified_speedup, verified_sequence_speedup
+
+    cm = CostModel(n_layers=4, exit_layers=(1, 2, 3), final_head=2.0, exit_head=0.5,
+                   checks=(0.1, 0.1, 0.1))
+    # 3 draft steps at 2 (2 + 0.2 checks + 0.5 head) and one verify (4 + 0.3 + 2), 3 tokens
+    assert verified_speedup(cm, {2: 3, 4: 1}, 3) == pytest.approx(3 * 6 / (3 * 2.7 + 6.3))
+    # max_draft 2 over 5 tokens: t0, t1 draft (t1 rejected), verify -> emits 2 (t0, full t1);
+    # t2 drafts, t3 not confident -> verify emits 2; t4 is the last: a verify step alone
+    exits, agrees = [2, 2, 2, 4, 2], [True, False, True, True, True]
+    speed, acceptance, drafted = verified_sequence_speedup(cm, exits, agrees, 2)
+    assert (drafted, acceptance) == (3, pytest.approx(2 / 3))
+    assert speed == pytest.approx(5 * 6 / (3 * 2.7 + 3 * 6.3))
+
+
+def test_controller_decides_verified_exits_from_the_steps_it_saw(dense):
+    """A verified engine's controller reads its steps (drafts, verifies, tokens emitted): with
+    an overhead no exit can pay (5 full-depth steps) it moves to the full-depth program after
+    its probe, with runs in flight verified first; the output stays full depth's."""
+    ec = _ec("per_row", 3)
+    eng = _engine(ec, _heads(ec, 0.0), batch_buckets=(4,), exit_control=ControllerConfig(
+        probe_steps=6, probe_every=1000, check_overhead=5.0))
+    outs = run_requests(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == dense
+    assert "batch 4: full depth" in eng.controller.summary()
+    dec = [s for s in eng.runner.traces if s.kind == "decode"]
+    assert {s.exits for s in dec} == {True, False}
+    # the prediction itself, from steps: runs of 3 drafts at exit 1 all confirmed pay where
+    # riding is free (memory-bound), not where each riding draft costs a layer per layer
+    from ee_jax.serving.controller import exit_predictor
+
+    steps = [((1,) * 4, (k,) * 4, 0) for k in range(3)] + [((L,) * 4, (3,) * 4, 16)]
+    free = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=0.0,
+                                                    memory_bound_batch=4))
+    costly = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=2.0,
+                                                      memory_bound_batch=4))
+    assert free(4, steps) > 1.02 > costly(4, steps)
+    assert free(4, steps[:3]) == 1.0  # no token emitted yet: no evidence

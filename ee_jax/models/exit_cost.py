@@ -248,3 +248,75 @@ def verified_speedup(cm: CostModel, step_counts: dict[int, int], emitted: int,
         step += cm.final_head if e >= L else cm.exit_head
         cost += n * step
     return emitted * (L + cm.final_head) / cost if cost else 1.0
+
+
+def verified_step_cost(cm: CostModel, exit_layers: Sequence[int], riding: Sequence[int],
+                       regime: Regime, ride: float = 0.0) -> float:
+    """Cost of one verified-exits decode step whose rows reached `exit_layers` (L: the row
+    verified) carrying `riding` drafts each. Memory-bound: the deepest row's layers and
+    checks, the exit head if a row drafted, the final head (over every run: one read) if
+    one verified; a riding draft costs `ride` per layer it rides (0 where weights' bytes are
+    the cost), counted from the first exit up for verifying rows (drafting rows' runs are
+    mostly at their exit already). Compute-bound: each row its own token's cost and a full
+    row-layer per layer each of its drafts rides."""
+    L = cm.n_layers
+    first = min(cm.exit_layers) if cm.exit_layers else L
+    rows = [(int(e), int(k)) for e, k in zip(exit_layers, riding, strict=True)]
+    if not rows:
+        return 0.0
+    ridden = sum(k * (L - first) for e, k in rows if e >= L)
+    if regime == "compute":
+        return sum(cm.token_cost(e) for e, _ in rows) + ridden
+    deepest = max(e for e, _ in rows)
+    cost = deepest + _checks_upto(cm, min(deepest, L - 1)) + ride * ridden
+    cost += cm.final_head if deepest >= L else 0.0
+    cost += cm.exit_head if any(e < L for e, _ in rows) else 0.0
+    return cost
+
+
+def verified_steps_speedup(cm: CostModel, steps, batch: int, regime: Regime,
+                           ride: float = 0.0) -> float:
+    """Full depth over verified exits for decode steps of `batch` rows given as
+    (exit layers, drafts riding, tokens emitted) per step: full depth emits `batch` tokens a
+    step (memory-bound: one step's cost for them all; compute-bound: each row's)."""
+    cost = emitted = 0.0
+    for layers, riding, n in steps:
+        cost += verified_step_cost(cm, layers, riding, regime, ride)
+        emitted += n
+    if not cost or not emitted:  # no evidence yet (every step drafted)
+        return 1.0
+    per_token = full_step_cost(cm, batch, regime) / batch
+    return emitted * per_token / cost
+
+
+def verified_sequence_speedup(cm: CostModel, exits: Sequence[int], agrees: Sequence[bool],
+                              max_draft: int, ride: float = 0.0) -> tuple[float, float, int]:
+    """Full depth over verified exits for one answer decoded at batch 1, memory-bound:
+    position t's token would leave at exits[t] (L: not confident) and its draft there
+    equals full depth's token where agrees[t]. A run drafts while tokens leave (at most
+    max_draft), then a verify step runs the next position at full depth; it keeps the
+    leading agreeing drafts and emits the full model's token after them; decoding goes on
+    after what it emitted. Drafts after a rejected one are paid (their decisions taken as
+    teacher-forced ones: an approximation). ride: what each draft riding a layer of its
+    verify step costs (0 memory-bound; 1 compute-bound; GGUF blocks on a CPU ~0.7), from
+    the first exit up. Returns (speed-up, acceptance, drafts)."""
+    L = cm.n_layers
+    first = min(cm.exit_layers) if cm.exit_layers else L
+    n = len(exits)
+    i = 0
+    cost = 0.0
+    drafted = accepted = 0
+    while i < n:
+        k = 0
+        while k < max_draft and i + k < n - 1 and exits[i + k] < L:
+            cost += cm.token_cost(int(exits[i + k]))
+            k += 1
+        cost += cm.token_cost(L) + ride * k * (L - first)  # the verify step
+        a = 0
+        while a < k and agrees[i + a]:
+            a += 1
+        drafted += k
+        accepted += a
+        i += a + 1
+    speedup = n * (L + cm.final_head) / cost if cost else 1.0
+    return speedup, (accepted / drafted if drafted else float("nan")), drafted

@@ -296,20 +296,21 @@ def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfi
 
 
 def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
-                    cfg: ModelConfig) -> jax.Array:
+                    cfg: ModelConfig, final: bool = True) -> jax.Array:
     """Logits [B, V] (f32) with a head per row: row b's exit `slots[b]`, or the final head
     where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
     own head weights); the vocabulary projection is one matmul shared by all rows. With a
     vocabulary subset the exit rows get MASKED logits outside it, and each projection runs
-    only when some row needs it (all rows left: no full-vocabulary matmul)."""
+    only when some row needs it (all rows left: no full-vocabulary matmul). final=False:
+    rows with slots < 0 get zeros (their final head runs elsewhere: verified exits)."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
-    final = llama.norm(h, params["final_norm"], cfg)
+    final_h = llama.norm(h, params["final_norm"], cfg)
     if "vocab" not in heads:
-        return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final), cfg)
+        return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final_h), cfg)
     ids, left = heads["vocab"], slots >= 0  # [K], [B]
     sub = jax.lax.cond(jnp.any(left),
                        lambda: unembed_rows(params, hn, ids, cfg, heads.get("vocab_rows")),
                        lambda: jnp.zeros((h.shape[0], ids.shape[0]), jnp.float32))
-    full = jax.lax.cond(jnp.any(~left), lambda: llama.unembed(params, final, cfg),
+    full = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
                         lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
     return jnp.where(left[:, None], scatter_vocab(sub, ids, cfg.vocab_size), full)

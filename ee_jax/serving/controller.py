@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import numpy as np
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models import backfill_maps, exit_cost
@@ -125,9 +126,14 @@ class ExitController:
     """Which program each decode step runs (`use_exits`), from what steps showed (`observe`)."""
 
     def __init__(self, config: ControllerConfig,
-                 predict: Callable[[int, dict[int, int]], float]):
+                 predict: Callable[[int, dict[int, int]], float], verified: bool = False):
+        """verified: the exit program runs verified exits (`ExitConfig.verify`): a decision
+        reads the steps themselves (each row's layers, the drafts riding along, the tokens
+        emitted), not a histogram of rows; before any is seen, the prior's exit rates and
+        the heads' calibrated agreement stand in for them."""
         self.config = config
         self.predict = predict
+        self.verified = verified
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch: int) -> _Bucket:
@@ -158,15 +164,21 @@ class ExitController:
                 return True
         return b.exits
 
-    def observe(self, batch: int, exits: bool, row_exit_layers: list[int]) -> None:
-        """A decode step of `batch` rows ran (`exits`: the exit program) with these rows."""
+    def observe(self, batch: int, exits: bool, row_exit_layers: list[int],
+                riding: list[int] | None = None, emitted: int = 0) -> None:
+        """A decode step of `batch` rows ran (`exits`: the exit program) with these rows;
+        verified exits also give each row's drafts riding along and the tokens emitted."""
         if self.config.mode != "auto":
             return
         b = self._bucket(batch)
         b.steps[exits] += 1
         if not exits:
             return
-        b.rows.extend(row_exit_layers)
+        if self.verified:
+            b.rows.append((tuple(row_exit_layers), tuple(riding or [0] * len(row_exit_layers)),
+                           emitted))
+        else:
+            b.rows.extend(row_exit_layers)
         if b.probing:
             b.probing -= 1
             if b.probing:
@@ -176,8 +188,8 @@ class ExitController:
             if b.since < self.config.probe_steps:
                 return
         b.since = 0
-        counts = dict(collections.Counter(b.rows))
-        b.predicted = self.predict(batch, counts)
+        b.predicted = self.predict(batch, list(b.rows) if self.verified
+                                   else dict(collections.Counter(b.rows)))
         b.prior = False
         b.exits = b.predicted > 1.0 + self.config.margin
 
@@ -213,6 +225,20 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
     ride = config.ride_cost if config.ride_cost is not None else (CPU_RIDE_COST if cpu else 0.0)
     policy = "all" if ec.policy in ("all", "quorum") else "per_row"
 
+    if ec.verify:
+        def predict_verified(batch: int, seen) -> float:
+            """seen: the steps [(row exit layers, drafts riding, tokens emitted)], or before
+            any, the prior's {exit layer: rows} (a sequence drawn from it, drafts confirmed
+            at the agreement the heads were calibrated to, spread over the early tokens)."""
+            regime = "memory" if batch <= mem else "compute"
+            if isinstance(seen, dict):
+                ideal = _verified_prior(cm, ec, seen, 1.0 if regime == "compute" else ride)
+            else:
+                ideal = exit_cost.verified_steps_speedup(cm, seen, batch, regime, ride)
+            return 1.0 / (1.0 / ideal + config.check_overhead)
+
+        return predict_verified
+
     def predict(batch: int, counts: dict[int, int]) -> float:
         regime = "memory" if batch <= mem else "compute"
         ideal = exit_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
@@ -220,3 +246,20 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
         return 1.0 / (1.0 / ideal + config.check_overhead)
 
     return predict
+
+
+def _verified_prior(cm: exit_cost.CostModel, ec: ExitConfig, counts: dict[int, int],
+                    ride: float) -> float:
+    """Verified exits' speed-up expected from exit rates alone: 512 tokens drawn from
+    `counts` (fixed seed), a draft confirmed with the share of early tokens that keeps
+    teacher-forced agreement at the calibration's target."""
+    layers = sorted(counts)
+    p = np.asarray([counts[k] for k in layers], np.float64)
+    p /= p.sum()
+    rng = np.random.default_rng(0)
+    exits = rng.choice(layers, 512, p=p)
+    early = float(np.mean(exits < cm.n_layers))
+    accept = 1.0 - min(1.0, (1.0 - ec.target_agreement) / early) if early else 1.0
+    agrees = rng.random(512) < accept
+    return exit_cost.verified_sequence_speedup(cm, exits.tolist(), agrees.tolist(),
+                                               ec.max_draft, ride)[0]

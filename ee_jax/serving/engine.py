@@ -66,6 +66,7 @@ class _Launched:
     compiles: bool
     out_idx: list[int]
     exits: bool = True  # a decode step: whether it ran the exit program
+    riding: list[int] | None = None  # verified exits: each row's drafts before the step
     # seconds the host spent compiling the next step's program while this one was in flight
     # (async scheduling): the device was idle then, so it is not this step's time
     compile_gap: float = 0.0
@@ -192,7 +193,7 @@ class LLMEngine:
         self.controller = None
         if exit_config is not None and exit_config.enabled:
             self.controller = ExitController(config.exit_control, exit_predictor(
-                cfg, exit_config, config.exit_control, exit_heads))
+                cfg, exit_config, config.exit_control, exit_heads), verified=self.verify)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read
         self._waited = 0.0  # seconds this step() call waited for the device
@@ -356,7 +357,8 @@ class LLMEngine:
             if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
                     or 0 < len(forced) <= n + 1:
                 seq.awaiting_finish = True
-        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits)
+        riding = [row.seq.num_draft for row in schedule.rows] if self.verify else None
+        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits, riding)
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results (waits for the device) and process them."""
@@ -370,8 +372,11 @@ class LLMEngine:
         self._last_ready = now
         self._account(launched.schedule, dt, launched.compiles, extra)
         if launched.schedule.kind == "decode" and self.controller is not None:
-            self.controller.observe(launched.schedule.shape.batch, launched.exits,
-                                    [int(e) for e in extra[:len(launched.schedule.rows), 0]])
+            n = len(launched.schedule.rows)
+            self.controller.observe(
+                launched.schedule.shape.batch, launched.exits,
+                [int(e) for e in extra[:n, 0]], launched.riding,
+                int(extra[:n, 3].sum()) if self.verify and extra.shape[1] > 3 else n)
         return self._process(launched, tokens, logprobs, extra)
 
     def _verify_limits(self, schedule: Schedule, batch: StepBatch) -> None:

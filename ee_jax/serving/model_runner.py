@@ -29,7 +29,7 @@ from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
-from ee_jax.serving.step import Pending, model_step, pending_width, policy_for
+from ee_jax.serving.step import Pending, model_step, pending_width, policy_for, run_widths
 
 # Tokens per query block of a ragged prefill step (architecture.md section 5): each row's
 # chunk but its last token is padded to a multiple of this, so a block belongs to one row.
@@ -293,23 +293,27 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     left = (result.exit_layer > 0) & (result.exit_layer < L)  # drafting rows
     verified = result.exit_layer == L
 
-    def every_slot():  # the final head's samples at each entry, the row's own token last
-        logits = jnp.concatenate([result.run_logits, result.logits[:, None]], axis=1)
-        rep = SamplingTensors(*(jnp.repeat(a, P + 1) for a in (
-            st.temperature, st.top_k, st.top_p, st.seeds)),
-            steps=jnp.maximum(st.steps[:, None] - P + j, 0).reshape(-1))
-        flat = logits.reshape(B * (P + 1), V)
-        tok = sample(flat, rep)
-        return tok.reshape(B, P + 1), token_logprobs(flat, tok).reshape(B, P + 1)
-
-    def own_only():  # no row verifies: each row's draft (or full-depth token) alone
-        tok = sample(result.logits, st)
-        lp = token_logprobs(result.logits, tok)
-        return (jnp.zeros((B, P + 1), jnp.int32).at[:, P].set(tok),
-                jnp.zeros((B, P + 1), jnp.float32).at[:, P].set(lp))
-
-    full, lps = jax.lax.cond(jnp.any(verified), every_slot, own_only)
     valid = run.token >= 0  # [B, P], right aligned
+
+    def last_slots(w: int):  # samples at the runs' last w entries and the rows' own tokens
+        def f():
+            logits = jnp.concatenate([result.run_logits[:, P - w:], result.logits[:, None]],
+                                     axis=1).reshape(B * (w + 1), V)
+            rep = SamplingTensors(*(jnp.repeat(a, w + 1) for a in (
+                st.temperature, st.top_k, st.top_p, st.seeds)),
+                steps=jnp.maximum(st.steps[:, None] - w + j[:w + 1], 0).reshape(-1))
+            tok = sample(logits, rep)
+            lp = token_logprobs(logits, tok)
+            return (jnp.zeros((B, P + 1), jnp.int32).at[:, P - w:].set(tok.reshape(B, w + 1)),
+                    jnp.zeros((B, P + 1), jnp.float32).at[:, P - w:].set(
+                        lp.reshape(B, w + 1)))
+        return f
+
+    # as many slots as the longest verifying run needs, bucketed as the step's head was
+    widths = run_widths(P)
+    need = jnp.max(jnp.where(verified, jnp.sum(valid, axis=1), 0))
+    full, lps = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), need),
+                               [last_slots(w) for w in widths])
     match = (run.token == full[:, :P]) | ~valid
     first_miss = jnp.argmin(jnp.concatenate([match, jnp.zeros((B, 1), bool)], axis=1), axis=1)
     start = P - jnp.sum(valid, axis=1)  # the run's first entry

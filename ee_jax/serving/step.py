@@ -102,6 +102,15 @@ class Pending:
         return self.layer.shape[1]
 
 
+def run_widths(P: int) -> tuple[int, ...]:
+    """Entries a verify step's final head reads, bucketed: 0, 1, 2, 4, ..., P."""
+    out, w = [0], 1
+    while w < P:
+        out.append(w)
+        w *= 2
+    return (*out, P)
+
+
 def pending_width(ec: ExitConfig | None) -> int:
     """Entries of a row's Pending: a verify run's `max_draft`, else the one deferred token."""
     return ec.max_draft if ec is not None and ec.verify else 1
@@ -455,7 +464,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     exit_layer = jnp.where(active, s.exit_layer, 0)
     left = active & (exit_layer < L)
     logits = _exit_logits(params, heads, h_exit, exit_layer, active, s, table, cfg, policy,
-                          keep_logits)
+                          keep_logits, final=not verify)
     if verify:
         return _finish_run(params, s, pending, h_exit, logits, exit_layer, active, cfg), cache
     n_done = jnp.where(active, exit_layer, L)  # padding rows: nothing to fill
@@ -504,9 +513,26 @@ def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, acti
     pend = jnp.zeros((B, P), jnp.int32).at[s.perm].set(s.pend)  # original row order
     depth = jnp.where(pend < exit_layer[:, None], exit_layer[:, None], pend)  # [B, P]
     hs = jnp.zeros_like(s.x[:, :P]).at[s.perm].set(s.x[:, :P])  # [B, P, D]
-    run_logits = jax.lax.cond(
-        jnp.any(verified), lambda: llama.final_head(params, hs, cfg),
-        lambda: jnp.zeros((B, P, cfg.vocab_size), jnp.float32))
+    # The final head over the verifying rows' own tokens and their runs' last w entries
+    # (runs are right aligned), one product: w the smallest of `widths` that holds every
+    # verifying run, so a short run (the common case) reads no more rows than it has.
+    V = cfg.vocab_size
+    need = jnp.max(jnp.where(verified, jnp.sum(run.token >= 0, axis=1), 0))
+    widths = run_widths(P)
+
+    def verify_head(w: int):
+        def f():
+            out = llama.final_head(params, jnp.concatenate(
+                [hs[:, P - w:], h_exit[:, None].astype(hs.dtype)], axis=1), cfg)  # [B, w+1, V]
+            runs = jnp.zeros((B, P, V), jnp.float32).at[:, P - w:].set(out[:, :w])
+            return runs, jnp.where(verified[:, None], out[:, w], logits)
+        return f
+
+    branch = jnp.where(jnp.any(verified),
+                       1 + jnp.searchsorted(jnp.asarray(widths), need), 0)
+    run_logits, logits = jax.lax.switch(
+        branch, [lambda: (jnp.zeros((B, P, V), jnp.float32), logits)]
+        + [verify_head(w) for w in widths])
     empty = Pending.none(B, cfg, P)
     own = left[:, None]
 
@@ -523,11 +549,18 @@ def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, acti
 
 
 def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
-                 cfg: ModelConfig, policy: BatchExit | PerRow, keep_logits: bool) -> jax.Array:
+                 cfg: ModelConfig, policy: BatchExit | PerRow, keep_logits: bool,
+                 final: bool = True) -> jax.Array:
     """Logits [B, V] of each row at the exit it took; the head runs once per row, and not
-    at all where a check already computed the row's logits."""
+    at all where a check already computed the row's logits. final=False: rows at L get
+    zeros (verified exits run their final head with their runs', `_finish_run`)."""
     L = cfg.n_layers
     left = active & (exit_layer < L)
+
+    def final_head():
+        return (llama.final_head(params, h_exit, cfg) if final
+                else jnp.zeros((h_exit.shape[0], cfg.vocab_size), jnp.float32))
+
     if policy.batch_wide:  # every active row left at the same layer: one shared head
         n = jnp.max(exit_layer)
         exited = jnp.any(left)
@@ -536,12 +569,12 @@ def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
             return s.logits if keep_logits else exit_heads.exit_logits(params, heads, table[n],
                                                                        h_exit, cfg)
 
-        return jax.lax.cond(exited, at_exit, lambda: llama.final_head(params, h_exit, cfg))
+        return jax.lax.cond(exited, at_exit, final_head)
     slots = jnp.where(left, table[jnp.minimum(exit_layer, L)], -1)
     if not keep_logits:
-        return exit_heads.row_exit_logits(params, heads, slots, h_exit, cfg)
+        return exit_heads.row_exit_logits(params, heads, slots, h_exit, cfg, final)
     # Rows that left have their logits from the check; the head runs only if a row did not.
-    need_head = jnp.any(active & ~left)
+    need_head = jnp.any(active & ~left) & final
     return jax.lax.cond(
         need_head,
         lambda: jnp.where(left[:, None], s.logits, exit_heads.row_exit_logits(
