@@ -120,7 +120,8 @@ def test_verified_exits_emit_full_depths_tokens(smollm2):
     ties = 0
     for ids, out in zip(prompts, outs, strict=True):
         ref = dense_greedy(smollm2.config, smollm2.params, ids, 32, width=128)
-        diff = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
+        diff = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=True))
+                     if a != b), None)
         if diff is None:
             continue
         logits = np.asarray(llama.forward(

@@ -11,6 +11,7 @@ compiled program per engine serves them all) and by `max_draft` (one engine each
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from hypothesis import strategies as st
 
 from ee_jax.models import exit_heads, llama
 from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
-from ee_jax.serving.controller import ControllerConfig
+from ee_jax.models.exit_cost import CostModel, verified_sequence_speedup, verified_speedup
+from ee_jax.serving.controller import ControllerConfig, exit_predictor
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import gather_layer
 from ee_jax.serving.params import SamplingParams
@@ -192,7 +194,7 @@ def test_stream_shows_only_confirmed_tokens_and_stops_inside_runs(engines, dense
     for rid, seen in streamed.items():
         final = finals[rid].token_ids
         assert all(final[:len(s)] == s for s in seen)
-        assert all(len(a) <= len(b) for a, b in zip(seen, seen[1:]))
+        assert all(len(a) <= len(b) for a, b in itertools.pairwise(seen))
 
 
 def test_preemption_aborts_and_mixed_steps_keep_the_output(dense):
@@ -247,8 +249,6 @@ def test_bad_settings_name_the_setting():
 
 
 def test_verified_costs_count_drafts_verifies_and_thrown_work():
-    from ee_jax.models.exit_cost import CostModel, verified_speedup, verified_sequence_speedup
-
     cm = CostModel(n_layers=4, exit_layers=(1, 2, 3), final_head=2.0, exit_head=0.5,
                    checks=(0.1, 0.1, 0.1))
     # 3 draft steps at 2 (2 + 0.2 checks + 0.5 head) and one verify (4 + 0.3 + 2), 3 tokens
@@ -275,8 +275,6 @@ def test_controller_decides_verified_exits_from_the_steps_it_saw(dense):
     assert {s.exits for s in dec} == {True, False}
     # the prediction itself, from steps: runs of 3 drafts at exit 1 all confirmed pay where
     # riding is free (memory-bound), not where each riding draft costs a layer per layer
-    from ee_jax.serving.controller import exit_predictor
-
     steps = [((1,) * 4, (k,) * 4, 0) for k in range(3)] + [((L,) * 4, (3,) * 4, 16)]
     free = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=0.0,
                                                     memory_bound_batch=4))
