@@ -381,25 +381,25 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             h_exit=s.h_exit.at[rows].set(h, mode="drop"),
             exit_layer=s.exit_layer.at[rows].set(n, mode="drop"))
 
-    def layer(z: int, pending_runs: bool, mz: AttentionMetadata, c):
-        """Layer n on the first z rows; `pending_runs` (static): with the pending query (else
-        the rows' own queries alone, as without "deferred"); mz: the stage's metadata of
-        those rows (loop-invariant)."""
+    def layer(z: int, w: int, mz: AttentionMetadata, c):
+        """Layer n on the first z rows with the last w (static) of the rows' P pending
+        queries and their own (w = 0: the own queries alone, as without "deferred"); mz: the
+        stage's metadata of those rows (loop-invariant)."""
         s, cache = c
         if not deferred:
             y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
-        elif not pending_runs:
-            own = dataclasses.replace(mz, positions=mz.positions[:, P:])
-            y, cache = paged_layer(params, s.n, s.x[:z, P:], cache, own, cfg, attention)
-            y = jnp.concatenate([s.x[:z, :P], y], axis=1)
-        else:  # a pending query runs the layers its token skipped; elsewhere its
-            # position is made invalid (>= kv_len): it writes nothing and keeps its state
-            runs = (s.pend[:z] <= s.n) & s.running[:z, None]  # [z, P]
-            mz = dataclasses.replace(mz, positions=mz.positions.at[:, :P].set(
-                jnp.where(runs, mz.positions[:, :P], mz.kv_lens[:, None])))
-            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
-            y = y.at[:, :P].set(jnp.where(runs[..., None], y[:, :P], s.x[:z, :P]))
-        return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
+            return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
+                                       work=s.work + z), cache
+        # a pending query runs the layers its token skipped; elsewhere its position is made
+        # invalid (>= kv_len): it writes nothing and keeps its state
+        lo = P - w
+        runs = (s.pend[:z, lo:] <= s.n) & s.running[:z, None]  # [z, w]
+        pos = mz.positions[:, lo:]
+        pos = pos.at[:, :w].set(jnp.where(runs, pos[:, :w], mz.kv_lens[:, None]))
+        y, cache = paged_layer(params, s.n, s.x[:z, lo:], cache,
+                               dataclasses.replace(mz, positions=pos), cfg, attention)
+        y = y.at[:, :w].set(jnp.where(runs[..., None], y[:, :w], s.x[:z, lo:P]))
+        return dataclasses.replace(s, n=s.n + 1, x=s.x.at[:z, lo:].set(y),
                                    work=s.work + z), cache
 
     def stage(k: int, s: _Loop, smeta: AttentionMetadata, cache: KVCache
@@ -422,8 +422,8 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         def cond(c):
             return (c[0].n < L) & (jnp.sum(c[0].running) > fits_next)
 
-        def body(pending_runs: bool, c):
-            s, cache = layer(z, pending_runs, mz, c)
+        def body(w: int, c):
+            s, cache = layer(z, w, mz, c)
             n = jnp.minimum(s.n, L)
             first = (n == start) if start < L else jnp.asarray(False)
             kind = jnp.where(can_exit, jnp.where(first, 1, 2 * later_table[n].astype(jnp.int32)),
@@ -438,11 +438,21 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         # the layer that brings n to `start` is followed by the first check
         no_check = jnp.minimum(jnp.where(can_exit, start - 1, L), lowest)
         c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < no_check),
-                               lambda c: layer(z, False, mz, c), c)
-        if deferred:
-            c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < lowest),
-                                   functools.partial(body, False), c)
-        return jax.lax.while_loop(cond, functools.partial(body, deferred), c)
+                               lambda c: layer(z, 0, mz, c), c)
+        if not deferred:
+            return jax.lax.while_loop(cond, functools.partial(body, 0), c)
+        c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < lowest),
+                               functools.partial(body, 0), c)
+        # from the lowest pending layer up, with as many pending queries as the longest
+        # running row's run holds (right aligned), bucketed: where a query's arithmetic is
+        # paid per row (a CPU on GGUF blocks), empty entries are not computed
+        widths = run_widths(P)[1:]
+        longest = jnp.max(jnp.sum(s.running[:, None] & (s.pend < L), axis=1))
+        loops = [lambda c, w=w: jax.lax.while_loop(cond, functools.partial(body, w), c)
+                 for w in widths]
+        if len(loops) == 1:
+            return loops[0](c)
+        return jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), longest), loops, c)
 
     x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     if deferred:
