@@ -119,7 +119,7 @@ def verified_ideal(cfg, ec, stats) -> float:
 
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
             backfills: tuple[str, ...], overhead: bool = False, default: bool = True,
-            verify: tuple[tuple[int, float], ...] = ()) -> dict:
+            verify: tuple[tuple[int, float], ...] = (), verify_auto: bool = False) -> dict:
     """Full depth vs an exit engine per back-fill (the exit program always: controller mode
     "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
     `default`, also the engine as a user gets it (the heads' back-fill, controller "auto"
@@ -127,7 +127,9 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     `overhead`, the exit engine at threshold 1.0 (every check runs, no row leaves: what the
     checks and the exit loop cost); per (max_draft, threshold) in `verify`, verified exits
     (`ExitConfig.verified`), which serve the prompts freely, greedy: lossless, their tokens
-    must be the references (`agree` is then the share of sequences identical to them)."""
+    must be the references (`agree` is then the share of sequences identical to them);
+    `verify_auto`: those under the controller as a user gets it ("auto", the heads' prior)
+    instead of the exit program always."""
     from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.params import greedy
 
@@ -147,9 +149,11 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             exit_control=ControllerConfig(prior=model.shipped_exit_prior(ec) or None))
     verified = {}
     for d, t in verify:
-        name = f"verified, max_draft {d}, threshold {t}"
+        name = f"verified, max_draft {d}, threshold {t}" + (" (auto)" if verify_auto else "")
         ecs[name] = verified[name] = dataclasses.replace(ec, threshold=t).verified(d)
-        engines[name] = make_llm(model, ecs[name], heads, batch, max_len, exit_control=forced)
+        control = (ControllerConfig(prior=model.shipped_exit_prior(ecs[name]) or None)
+                   if verify_auto else forced)
+        engines[name] = make_llm(model, ecs[name], heads, batch, max_len, exit_control=control)
     if overhead:
         engines["checks only"] = make_llm(model, dataclasses.replace(ec, threshold=1.0), heads,
                                           batch, max_len, exit_control=forced)
@@ -274,6 +278,9 @@ def main(argv=None) -> int:
     p.add_argument("--verify", nargs="*", default=[], metavar="MAX_DRAFT:THRESHOLD",
                    help="also verified exits (lossless, served unforced) at these settings, "
                    "e.g. 4:0.9 8:0.5")
+    p.add_argument("--verify-auto", action="store_true",
+                   help="--verify engines under the controller (auto, the heads' prior), as "
+                   "a user gets them, not the exit program always")
     p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.shipped_exits section is (re)written")
@@ -320,7 +327,8 @@ def main(argv=None) -> int:
             verify = tuple((int(d), float(t)) for d, _, t in
                            (v.partition(":") for v in args.verify))
             r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
-                        tuple(args.backfills), args.overhead, verify=verify)
+                        tuple(args.backfills), args.overhead, verify=verify,
+                        verify_auto=args.verify_auto)
             ctx["rows"].append(((w, b, pol), r))
             for name, e in r["engines"].items():
                 acc = (f", acceptance {e['accept']:.3f} of {e['drafted']} drafts"

@@ -443,16 +443,10 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             return jax.lax.while_loop(cond, functools.partial(body, 0), c)
         c = jax.lax.while_loop(lambda c: cond(c) & (c[0].n < lowest),
                                functools.partial(body, 0), c)
-        # from the lowest pending layer up, with as many pending queries as the longest
-        # running row's run holds (right aligned), bucketed: where a query's arithmetic is
-        # paid per row (a CPU on GGUF blocks), empty entries are not computed
-        widths = run_widths(P)[1:]
-        longest = jnp.max(jnp.sum(s.running[:, None] & (s.pend < L), axis=1))
-        loops = [lambda c, w=w: jax.lax.while_loop(cond, functools.partial(body, w), c)
-                 for w in widths]
-        if len(loops) == 1:
-            return loops[0](c)
-        return jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), longest), loops, c)
+        # from the lowest pending layer up, every pending query (a run's empty entries too:
+        # a lax.switch over loops of fewer queries measured slower on CPU, its operands the
+        # cache among them)
+        return jax.lax.while_loop(cond, functools.partial(body, P), c)
 
     x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     if deferred:
