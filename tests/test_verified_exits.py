@@ -282,3 +282,13 @@ def test_controller_decides_verified_exits_from_the_steps_it_saw(dense):
                                                       memory_bound_batch=4))
     assert free(4, steps) > 1.02 > costly(4, steps)
     assert free(4, steps[:3]) == 1.0  # no token emitted yet: no evidence
+
+
+def test_blocking_steps_give_the_same_tokens(dense):
+    """Without overlapped steps (the host reads each step before the next: no rollback on
+    the device) the tokens are the same; the engines share one compiled program."""
+    ec = _ec("per_row", 3)
+    eng = _engine(ec, _heads(ec, 0.0), async_scheduling=False)
+    outs = run_requests(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == dense
+    assert eng.stats.num_accepted > 0

@@ -67,6 +67,7 @@ class _Launched:
     out_idx: list[int]
     exits: bool = True  # a decode step: whether it ran the exit program
     riding: list[int] | None = None  # verified exits: each row's drafts before the step
+    epochs: list[int] | None = None  # each row's Sequence.epoch at launch (verified exits)
     # seconds the host spent compiling the next step's program while this one was in flight
     # (async scheduling): the device was idle then, so it is not this step's time
     compile_gap: float = 0.0
@@ -187,8 +188,9 @@ class LLMEngine:
                                   layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
                                                             exit_config is not None))
         # Verified exits (ExitConfig.verify): how many tokens a decode step emits is known
-        # only once it is read (drafts, or a verify that keeps a prefix), so the next step
-        # is scheduled after reading it: steps do not overlap (async_scheduling is off).
+        # only once it is read (drafts, or a verify that keeps a prefix); with overlapped
+        # steps the next one is launched as if one token came, and the device takes what a
+        # verify dropped off its positions (`step.Pending.rollback`).
         self.verify = exit_config is not None and exit_config.enabled and exit_config.verify
         self.controller = None
         if exit_config is not None and exit_config.enabled:
@@ -295,7 +297,7 @@ class LLMEngine:
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
         self._inflight = launched
-        if launched is not None and (not self.config.async_scheduling or self.verify):
+        if launched is not None and not self.config.async_scheduling:
             outputs += self._finish(launched)
             self._inflight = None
         self.stats.host_time += time.perf_counter() - t0 - self._waited
@@ -319,7 +321,8 @@ class LLMEngine:
         batch = self._build_batch(schedule)
         if schedule.kind == "decode" and self.controller is not None \
                 and not self.controller.use_exits(batch.shape.batch) \
-                and not any(row.seq.num_draft for row in schedule.rows):  # runs to verify
+                and not any(row.seq.num_draft or row.seq.drafting  # runs to verify
+                            for row in schedule.rows):
             batch.shape = dataclasses.replace(batch.shape, exits=False)
         if self.verify and schedule.kind == "decode" and batch.shape.exits:
             self._verify_limits(schedule, batch)
@@ -357,8 +360,15 @@ class LLMEngine:
             if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
                     or 0 < len(forced) <= n + 1:
                 seq.awaiting_finish = True
-        riding = [row.seq.num_draft for row in schedule.rows] if self.verify else None
-        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits, riding)
+        riding = epochs = None
+        if self.verify:
+            riding = [row.seq.num_draft for row in schedule.rows]
+            epochs = [row.seq.epoch for row in schedule.rows]
+            if schedule.kind == "decode" and batch.shape.exits:
+                for row in schedule.rows:
+                    row.seq.drafting += 1
+        return _Launched(schedule, result, t0, compiles, out_idx, batch.shape.exits, riding,
+                         epochs)
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's results (waits for the device) and process them."""
@@ -381,20 +391,21 @@ class LLMEngine:
 
     def _verify_limits(self, schedule: Schedule, batch: StepBatch) -> None:
         """Rows that must verify this step, not draft (threshold NEVER: the row runs every
-        layer): a run at max_draft; a token that would be the request's last (max_tokens,
-        max_model_len), so no draft sits beyond a limit; a draft that is a stop token (the
-        request may end there); teacher-forced requests (every token is the full model's)."""
-        ec = self.exit_config
+        layer): a token that would be the request's last (max_tokens, max_model_len; the
+        in-flight step's token counted, so at most a step early), so no draft sits beyond a
+        limit; a draft that is a stop token (the request may end there); teacher-forced
+        requests (every token is the full model's). A full run the step itself verifies."""
         for r, row in enumerate(schedule.rows):
             seq, p = row.seq, row.seq.params
             n = len(seq.output_token_ids)
-            last = seq.output_token_ids[-1] if seq.num_draft else None
-            if (seq.num_draft >= ec.max_draft or n + 1 >= p.max_tokens
+            last = seq.output_token_ids[-1] if seq.num_draft and not seq.drafting else None
+            if (n + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.config.max_model_len or p.forced_tokens
                     or (last is not None and ((last in self._eos and not p.ignore_eos)
                                               or last in p.stop_token_ids))):
                 batch.threshold[r] = np.inf
-            if seq.num_draft and batch.pend_row[r] < 0:  # the run must be on the device
+            if (seq.num_draft or seq.drafting) and batch.pend_row[r] < 0:  # its run must be
+                #                                                    the latest decode step's
                 raise RuntimeError(f"request {seq.request_id!r} has {seq.num_draft} drafts "
                                    f"but its run is not the latest decode step's")
 
@@ -452,11 +463,15 @@ class LLMEngine:
             seq, idx = row.seq, launched.out_idx[r]
             if idx < 0 or seq.finished:  # no token this step, or ended (stop, abort) before
                 continue
+            if launched.epochs is not None and launched.epochs[r] != seq.epoch:
+                continue  # preempted while this step was in flight: recomputed instead
             if verifying and not seq.params.forced_tokens:
-                out = self._process_verified(seq, idx, int(tokens[r]), extra[r], now)
+                out = self._process_verified(seq, int(tokens[r]), extra[r], now)
                 if out is not None:
                     outputs.append(out)
                 continue
+            if verifying:  # teacher forced: it verified (never drafts)
+                seq.drafting -= 1
             token = int(tokens[r])
             if seq.params.forced_tokens:  # teacher forcing: keep what the model said
                 seq.predicted_token_ids.append(token)
@@ -480,16 +495,22 @@ class LLMEngine:
             outputs.append(self._output(seq, new_text))
         return outputs
 
-    def _process_verified(self, seq: Sequence, idx: int, token: int, extra: np.ndarray,
+    def _process_verified(self, seq: Sequence, token: int, extra: np.ndarray,
                           now: float) -> RequestOutput | None:
         """A row of a verified-exits step: a draft (nothing emitted; `token` joins the
         row's unconfirmed tail and is its next input) or a verify: the confirmed tokens
         (kept drafts, then the full model's) replace the run and this step's slot, the
-        row's length rolls back past what was dropped, and only they reach the text, the
-        stop checks and the client. extra: the row's result columns after the logprob."""
+        row's length rolls back past what was dropped (a step launched meanwhile had it
+        taken off on the device), and only they reach the text, the stop checks and the
+        client. extra: the row's result columns after the logprob."""
         P = self.exit_config.max_draft
         count = int(extra[3])
-        seq.awaiting_finish = False
+        seq.drafting -= 1
+        # the output: confirmed tokens, drafts, this step's slot, a later step's (in flight)
+        idx = len(seq.exit_layers) + seq.num_draft
+        later = seq.output_token_ids[idx + 1:]
+        if not later:  # no step in flight for it: schedulable again unless it finishes
+            seq.awaiting_finish = False
         if count == 0:
             seq.output_token_ids[idx] = token
             seq.num_draft += 1
@@ -518,13 +539,15 @@ class LLMEngine:
             new_text += self._check_stop(seq, t, len(seq.output_token_ids))
             if seq.finished:
                 break
-        if seq.finished:
+        if seq.finished:  # (a later step's token in flight is dropped with it)
             seq.metrics.finish_time = now
             self.scheduler.release(seq)
             self.input_batch.remove(seq.seq_id)
             self._requests.pop(seq.request_id, None)
-        elif dropped:  # the slot mirrors the rolled-back request
-            self.input_batch.add(seq)
+        else:
+            seq.output_token_ids += later
+            if dropped:  # the slot mirrors the rolled-back request
+                self.input_batch.rollback(seq.seq_id, dropped)
         return self._output(seq, new_text)
 
     def _check_stop(self, seq: Sequence, token: int, n_out: int) -> str:

@@ -124,6 +124,13 @@ class InputBatch:
                         if seq.seq_id in self.blocks else [])
         return s
 
+    def rollback(self, seq_id: int, n: int) -> None:
+        """Verified exits: the request's last `n` tokens were dropped (rejected drafts): its
+        slot's counts go back as its own did; the rest of the slot stands."""
+        s = self._slot.get(seq_id)
+        if s is not None:
+            self.state[[_COMPUTED, _TOKENS, _SAMPLED], s] -= n
+
     def remove(self, seq_id: int) -> None:
         """The request finished, was aborted or preempted: free its slot (no-op if none)."""
         s = self._slot.pop(seq_id, None)

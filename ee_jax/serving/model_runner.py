@@ -233,6 +233,14 @@ class StepProgram:
         tokens = inp["tokens"]
         # Rows whose token the previous step sampled read it from the device.
         src = inp["src_row"]
+        prev = inp["pend_row"]  # rows of the latest decode step, or -1
+        at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
+        # verified exits: a row whose verify (in the step the host has not read) dropped
+        # drafts is that many positions behind what the host counted
+        rb = jnp.where((src >= 0) & (prev >= 0), pending.rollback[at], 0)
+        inp = dict(inp, positions=inp["positions"] - rb[:, None],
+                   kv_lens=jnp.where(inp["kv_lens"] > 0, inp["kv_lens"] - rb, 0),
+                   sample_idx=inp["sample_idx"] - rb)
         from_device = last_tokens[jnp.clip(src, 0, last_tokens.shape[0] - 1)]
         tokens = tokens.at[:, 0].set(jnp.where(src >= 0, from_device, tokens[:, 0]))
         if c.mesh is not None and c.mesh.shape["dp"] > 1:  # rows over dp
@@ -243,8 +251,6 @@ class StepProgram:
                                  inp["block_positions"] if blocks else None,
                                  inp["block_rows"] if blocks else None)
         policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
-        prev = inp["pend_row"]  # rows of the latest decode step, or -1
-        at = jnp.clip(prev, 0, pending.layer.shape[0] - 1)
         none = Pending.none(shape.batch, c.model, pending.width)
         rows_pending = jax.tree.map(
             lambda a, n: jnp.where((prev >= 0).reshape(-1, *[1] * (a.ndim - 1)), a[at], n),
@@ -327,8 +333,9 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     at = jnp.where(verified, first_miss, P)[:, None]
     nxt = jnp.take_along_axis(full, at, axis=1)[:, 0]
     nxt_lp = jnp.take_along_axis(lps, at, axis=1)[:, 0]
+    kept = jnp.sum(valid, axis=1) + 1 - count  # rejected drafts and beyond: rolled back
     pending = dataclasses.replace(result.pending, token=result.pending.token.at[:, P - 1].set(
-        jnp.where(left, full[:, P], -1)))
+        jnp.where(left, full[:, P], -1)), rollback=jnp.where(verified, kept, 0))
     emitted = (count, tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32), layers)
     return nxt, nxt_lp, emitted, dataclasses.replace(result, pending=pending)
 

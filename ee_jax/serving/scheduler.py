@@ -64,6 +64,11 @@ class Sequence:
     # verified exits: the last num_draft of output_token_ids are drafts the full model has
     # not confirmed yet (their K/V incomplete above their exits: the device's run of the row)
     num_draft: int = 0
+    # verified exits, overlapped steps: exit steps launched for it and not read yet, each of
+    # which may have drafted (what it did is known once read); `epoch` counts its
+    # preemptions with such a step in flight, whose result is then dropped (`drop_drafts`)
+    drafting: int = 0
+    epoch: int = 0
     text: str = ""
     detokenizer: Any = None
     finish_reason: str | None = None
@@ -89,10 +94,15 @@ class Sequence:
         return self.finish_reason is not None
 
     def drop_drafts(self) -> None:
-        """Forget the unconfirmed drafts (never emitted: nothing a client saw changes)."""
-        if self.num_draft:
-            del self.output_token_ids[len(self.output_token_ids) - self.num_draft:]
-            self.num_draft = 0
+        """Forget the unconfirmed drafts (never emitted: nothing a client saw changes), and
+        the token of an exit step in flight (its result will be dropped: `epoch`; what it
+        would have confirmed is recomputed, the same tokens)."""
+        keep = len(self.output_token_ids) - self.num_draft - self.drafting
+        del self.output_token_ids[keep:]
+        self.num_draft = 0
+        if self.drafting:
+            self.drafting, self.awaiting_finish = 0, False
+            self.epoch += 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +354,7 @@ class Scheduler:
                 # a row with drafts waits: a prefill step runs it at full depth, which
                 # cannot complete (or verify) its run
                 if (id(seq) in taken or seq.awaiting_finish or seq.num_pending != 1
-                        or seq.num_draft
+                        or seq.num_draft or seq.drafting
                         or seq.num_computed < len(seq.prompt_token_ids)
                         or not self.blocks.can_append(seq.seq_id, seq.num_tokens)):
                     continue

@@ -89,13 +89,18 @@ class Pending:
     layer: jax.Array  # [B, P] int32: layers it has run; L (n_layers): an empty entry
     token: jax.Array  # [B, P] int32: verify: the draft the exit head made from it; -1: none
     exit: jax.Array  # [B, P] int32: verify: the exit layer that made the draft
+    # [B] int32, verify: positions the row's verify dropped (rejected drafts): the host,
+    # which launched the next step before reading this one, counted them; that step takes
+    # them off its positions, lengths and sample indices (`model_runner`)
+    rollback: jax.Array
 
     @classmethod
     def none(cls, batch: int, cfg: ModelConfig, width: int = 1) -> Pending:
         return cls(jnp.zeros((batch, width, cfg.d_model), cfg.jnp_dtype),
                    jnp.full((batch, width), cfg.n_layers, jnp.int32),
                    jnp.full((batch, width), -1, jnp.int32),
-                   jnp.full((batch, width), cfg.n_layers, jnp.int32))
+                   jnp.full((batch, width), cfg.n_layers, jnp.int32),
+                   jnp.zeros((batch,), jnp.int32))
 
     @property
     def width(self) -> int:
@@ -326,6 +331,9 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         pending = Pending.none(B, cfg, P)
     if pending.width != P:
         raise ValueError(f"pending has {pending.width} entries a row, the exit config {P}")
+    if verify:  # a row whose run is full verifies (the host, a step behind, cannot tell)
+        full_run = jnp.sum(pending.token >= 0, axis=1) >= P
+        thresholds = jnp.where(full_run, jnp.inf, thresholds)
     sizes = policy.stages(B)
     table = jnp.asarray(ec.exit_index_table(L))
     active = meta.kv_lens > 0  # padding rows have no keys: they never run
@@ -547,7 +555,7 @@ def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, acti
     nxt = Pending(h=shift(hs, h_exit.astype(hs.dtype), empty.h),
                   layer=shift(depth, exit_layer, empty.layer),
                   token=shift(run.token, jnp.full((B,), -1, jnp.int32), empty.token),
-                  exit=shift(run.exit, exit_layer, empty.exit))
+                  exit=shift(run.exit, exit_layer, empty.exit), rollback=empty.rollback)
     return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
                       pending=nxt, run_logits=run_logits)
 
