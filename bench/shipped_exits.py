@@ -110,11 +110,13 @@ def honest_ideal(cfg, ec, heads, stats) -> float:
 
 def verified_ideal(cfg, ec, stats) -> float:
     """The honest ideal of a verified-exits run (`exit_cost.verified_speedup`): its decode
-    steps' layers, checks and heads per emitted token, memory-bound (riding queries free)."""
+    steps' layers, checks and heads per emitted token, memory-bound (riding queries free),
+    against full depth's steps of as many rows."""
     from ee_jax.models.exit_cost import cost_model, verified_speedup
 
+    rows = stats.num_decode_rows / max(1, stats.num_decode_steps)
     return verified_speedup(cost_model(cfg, ec), stats.step_exit_counts,
-                            stats.num_decode_tokens)
+                            stats.num_decode_tokens, batch=rows)
 
 
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
@@ -236,7 +238,7 @@ def render(ctx) -> str:
             out.append(f"| {w} | {b}, {pol} | checks only (threshold 1.0) | {r['tokens']} | "
                        f"- | {co:.2f}x | - | - | - | - | - |")
         progs = [f"{n}: {e['program']}" for n, e in r["engines"].items()
-                 if n.startswith("default") and e.get("program")]
+                 if (n.startswith("default") or n.endswith("(auto)")) and e.get("program")]
         if progs:
             out.append(f"| {w} | {b}, {pol} | (program) | | | {'; '.join(progs)} | | | | | |")
     out += ["", "Ratio: the engine over full depth, decode tokens/s (the engines' own "

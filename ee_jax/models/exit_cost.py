@@ -232,14 +232,15 @@ def histogram(exits: Sequence[int]) -> dict[int, int]:
 
 
 def verified_speedup(cm: CostModel, step_counts: dict[int, int], emitted: int,
-                     ride: float = 0.0, ride_rows: float = 0.0) -> float:
+                     ride: float = 0.0, ride_rows: float = 0.0, batch: float = 1.0) -> float:
     """Full depth over verified exits, memory-bound (batch 1): decode steps whose (deepest)
     exit layers are `step_counts` {layer: steps} emitted `emitted` tokens in all. A draft
     step costs its layers, its checks and the exit head; a verify step (L) every layer, the
     checks and the final head over the run (one read of its weights: the run's rows ride
     on it). ride: a riding query's cost per layer where weights are read anyway (0 where
     bytes are the cost; GGUF blocks on a CPU: ~0.7), ride_rows: riding queries per step on
-    average, over the layers of a step. Rejected drafts' work is in the steps it took."""
+    average, over the layers of a step. Rejected drafts' work is in the steps it took.
+    batch: rows a step holds on average (a full-depth step emits that many tokens)."""
     L = cm.n_layers
     cost = 0.0
     for e, n in step_counts.items():
@@ -247,7 +248,7 @@ def verified_speedup(cm: CostModel, step_counts: dict[int, int], emitted: int,
         step = e + _checks_upto(cm, min(e, L - 1)) + ride * ride_rows * e
         step += cm.final_head if e >= L else cm.exit_head
         cost += n * step
-    return emitted * (L + cm.final_head) / cost if cost else 1.0
+    return emitted * (L + cm.final_head) / batch / cost if cost else 1.0
 
 
 def verified_step_cost(cm: CostModel, exit_layers: Sequence[int], riding: Sequence[int],

@@ -311,7 +311,8 @@ def variants(ec: ExitConfig | None, every: bool = False
     if ec is None or not ec.enabled:
         return out
     if not every:
-        return [*out, (f"{ec.policy}/{ec.backfill}", ec)]
+        mode = f"verify{ec.max_draft}" if ec.verify else ec.backfill
+        return [*out, (f"{ec.policy}/{mode}", ec)]
     return out + [(f"{p}/{b}", dataclasses.replace(ec, policy=p, backfill=b))
                   for p in POLICIES for b in BACKFILLS] + [
         (f"{SERVING_POLICY}/{b}", dataclasses.replace(ec, policy=SERVING_POLICY, backfill=b))
