@@ -27,6 +27,7 @@ from ee_jax.serving.controller import ControllerConfig, exit_predictor
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import gather_layer
 from ee_jax.serving.params import SamplingParams
+from ee_jax.serving.server import protocol
 from ee_jax.testing import tiny_config
 from tests.reference import dense_greedy, run_requests
 
@@ -292,3 +293,17 @@ def test_blocking_steps_give_the_same_tokens(dense):
     outs = run_requests(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == dense
     assert eng.stats.num_accepted > 0
+
+
+def test_server_verify_exits_field():
+    """`verify_exits` true on a server whose exits are not verified: 400 naming the field;
+    false on any server: full depth (threshold never reached); true where they are: as is."""
+    body = protocol.CompletionBody(model="m", prompt="x", max_tokens=4, verify_exits=True)
+    lossy = protocol.Limits(64, 63, 128, has_exits=True, verifies=False)
+    with pytest.raises(protocol.ApiError, match="verify-exits") as e:
+        protocol.sampling_params(body, 3, 0, lossy, chat=False)
+    assert e.value.param == "verify_exits"
+    verified = dataclasses.replace(lossy, verifies=True)
+    assert protocol.sampling_params(body, 3, 0, verified, chat=False).exit_threshold is None
+    off = protocol.CompletionBody(model="m", prompt="x", max_tokens=4, verify_exits=False)
+    assert protocol.sampling_params(off, 3, 0, lossy, chat=False).exit_threshold == NEVER

@@ -29,6 +29,11 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
               the final head at L; logits a check already computed are reused);
               back-fill the skipped layers' K/V at this token's slot (`backfill.backfill`)
 
+Pending tokens (`Pending`) ride along as extra queries a row in the layers the step runs:
+back-fill "deferred"'s one token, or under verified exits (`ExitConfig.verify`) a run of up to
+`max_draft` drafts, which the step verifies (the final head over the run) when the row runs
+every layer; nothing is back-filled then (`_finish_run`, DESIGN section 5b).
+
 Prefill and full depth are the policy with no checks: a `fori_loop` with a static trip
 count, the fastest full-depth program the engine has (a `while_loop` whose checks are
 switched off is not: its bound is dynamic). The schedule's kind (`StepShape.kind`), not a
