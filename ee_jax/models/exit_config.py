@@ -123,7 +123,9 @@ class ExitConfig:
     # come from riding along alone (backfill "deferred"; nothing propagated or learned).
     verify: bool = False
     # verify: the longest run of drafts before a verify step (LayerSkip's num_speculations
-    # with force_exit_layer): longer runs save more steps when accepted and waste more when not
+    # with force_exit_layer): longer runs save more steps when accepted and waste more when
+    # not. 4: for the shipped SmolLM2 heads the ceiling at 4 equals 8's and beats 2's on every
+    # workload (docs/benchmarks.md, "Verified exits"), with fewer drafts riding a step
     max_draft: int = 4
 
     def __post_init__(self):
