@@ -166,3 +166,12 @@ def test_a_mesh_built_by_the_caller_is_the_one_used_and_checked():
     with pytest.raises(MeshError, match=r"EngineConfig\.mesh is None"):
         LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40),
                   mesh=mesh)
+
+
+def test_sharded_verified_exits_are_full_depth():
+    """Verified exits under a mesh (runs of drafts riding along on sharded weights, rows
+    over dp, the run state replicated): full depth's tokens."""
+    ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2).verified(3)
+    tokens, _, _, engine = _serve("tp=2,dp=2", ec)
+    assert tokens == [dense_greedy(CFG, PARAMS, p, NEW) for p in PROMPTS]
+    assert engine.stats.num_drafted > 0
