@@ -4,6 +4,7 @@ step with nothing pending and against propagate.
 
     python -m bench.ride_along                      # SmolLM2 as served (GGUF blocks), batch 1
     python -m bench.ride_along --pending 16 24 29 --rounds 25
+    python -m bench.ride_along --verify-runs 1 2 4 --verify-at 20   # verified exits too
 
 Each variant is one jitted `step.model_step` on the shipped heads at threshold 1.0 (every
 check runs, no row leaves, so the new token runs all L layers and the pending token rides
@@ -14,6 +15,11 @@ every variant --steps times in a random order (`bench.common.interleaved_rounds`
 layer E over "deferred, nothing pending", divided by the L - E layers it rides and by a
 full-depth layer's ms ((full depth ms) / (L + the head's layer-equivalents)), is
 `ControllerConfig.ride_cost` on this machine.
+
+With --verify-runs K..., also verified exits' verify step (`ExitConfig.verified`, max_draft
+max(K)): the row's run of K drafts at layer --verify-at rides to L and the final head scores
+the run with the row's own token, against the same program with an empty run (a verify with
+nothing to check: one head row); per ridden layer and draft, as for deferred.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--verify-runs", type=int, nargs="*", default=[],
+                   help="verified exits: runs of this many drafts riding to L and verified")
+    p.add_argument("--verify-at", type=int, default=20,
+                   help="--verify-runs: the layer the drafts have reached")
     args = p.parse_args(argv)
 
     import jax
@@ -69,12 +79,30 @@ def main(argv=None) -> int:
         return jax.jit(f, donate_argnums=0)
 
     deferred = BatchExit(dataclasses.replace(ec, backfill="deferred", policy="all"))
+    P = max(args.verify_runs, default=1)
+    verify = BatchExit(dataclasses.replace(ec, policy="all").verified(P))
+
+    def run_program(k):
+        def f(cache):
+            pending = Pending.none(B, cfg, P)
+            live = np.arange(P) >= P - k  # right aligned
+            pending = dataclasses.replace(
+                pending, h=jnp.broadcast_to(h[:, None], pending.h.shape),
+                layer=jnp.where(live, args.verify_at, cfg.n_layers)[None].astype(jnp.int32),
+                token=jnp.where(live, 7, -1)[None].astype(jnp.int32),
+                exit=jnp.where(live, args.verify_at, cfg.n_layers)[None].astype(jnp.int32))
+            r, cache = model_step(params, heads, cache, tokens, meta, thresholds, cfg, verify,
+                                  attention="auto", pending=pending)
+            return r.run_logits[:, -1], cache
+        return jax.jit(f, donate_argnums=0)
     variants = {"full depth": program(FullDepth(), None),
                 "propagate, nothing pending": program(BatchExit(dataclasses.replace(
                     ec, backfill="propagate", policy="all")), None),
                 "deferred, nothing pending": program(deferred, None)}
     for e in args.pending:
         variants[f"deferred, pending at {e}"] = program(deferred, e)
+    for k in [0, *args.verify_runs] if args.verify_runs else []:
+        variants[f"verify, run of {k} at {args.verify_at}"] = run_program(k)
     state = {"cache": cache}  # donated to every call, the newest kept here
 
     def call(fn):
@@ -104,6 +132,11 @@ def main(argv=None) -> int:
             e = int(name.rsplit(" ", 1)[1])
             extra = ms - med["deferred, nothing pending"]
             ride = f"{extra / (L - e) / layer_ms:.2f} layers ({extra * 1e3 / (L - e):.2f} ms)"
+        elif name.startswith("verify, run of ") and not name.startswith("verify, run of 0"):
+            k, e = int(name.split()[3]), args.verify_at
+            extra = ms - med[f"verify, run of 0 at {e}"]
+            ride = (f"{extra / (L - e) / k / layer_ms:.2f} layers a draft (head rows "
+                    f"included)")
         lines.append(f"| {name} | {ms * 1e3:.2f} | {med['full depth'] / ms:.3f}x | {ride} |")
     print("\n".join(lines))
     return 0
