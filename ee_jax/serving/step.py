@@ -228,7 +228,7 @@ class _Loop:
     layers above its exit, which the back-fill then overwrites (layers >= its exit layer)."""
 
     n: jax.Array  # int32: layers run
-    x: jax.Array  # (c) [B, 1, D] hidden states
+    x: jax.Array  # (c) [B, Q, D] hidden states: the pending queries (if any), then the own
     perm: jax.Array  # (c) [B] int32: original row of each slot
     pend: jax.Array  # (c) [B, P] int32: layers each of the row's pending tokens has run
     #                   (L: none)
