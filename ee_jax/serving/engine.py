@@ -386,8 +386,13 @@ class LLMEngine:
             self.controller.observe(
                 launched.schedule.shape.batch, launched.exits,
                 [int(e) for e in extra[:n, 0]], launched.riding,
-                int(extra[:n, 3].sum()) if self.verify and extra.shape[1] > 3 else n)
+                int(extra[:n, 3].sum()) if self._verifying(extra) else n)
         return self._process(launched, tokens, logprobs, extra)
+
+    def _verifying(self, extra: np.ndarray) -> bool:
+        """Whether a step's result columns are a verified-exits step's (emitted counts and
+        tokens after the exit layer, checks and work: `model_runner._verify`)."""
+        return self.verify and extra.shape[1] > 3
 
     def _verify_limits(self, schedule: Schedule, batch: StepBatch) -> None:
         """Rows that must verify this step, not draft (threshold NEVER: the row runs every
@@ -439,7 +444,7 @@ class LLMEngine:
         else:
             s.num_decode_steps += 1
             s.decode_time += 0.0 if compiled else dt
-            verifying = self.verify and extra.shape[1] > 3  # a verified-exits step
+            verifying = self._verifying(extra)
             emitted = (int(extra[:len(schedule.rows), 3].sum()) if verifying
                        else len(schedule.rows))
             s.num_decode_tokens += 0 if compiled else emitted
@@ -458,7 +463,7 @@ class LLMEngine:
     def _process(self, launched: _Launched, tokens, logprobs, extra) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        verifying = self.verify and extra.shape[1] > 3  # a verified-exits step
+        verifying = self._verifying(extra)
         for r, row in enumerate(launched.schedule.rows):
             seq, idx = row.seq, launched.out_idx[r]
             if idx < 0 or seq.finished:  # no token this step, or ended (stop, abort) before

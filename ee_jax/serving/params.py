@@ -109,6 +109,11 @@ def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+def acceptance_rate(accepted: int, drafted: int) -> float | None:
+    """Verified exits: the share of drafts the full model confirmed (None: no draft yet)."""
+    return accepted / drafted if drafted else None
+
+
 @dataclasses.dataclass
 class RequestMetrics:
     arrival_time: float
@@ -126,7 +131,7 @@ class RequestMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted / self.num_drafted if self.num_drafted else None
+        return acceptance_rate(self.num_accepted, self.num_drafted)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -21,6 +21,7 @@ from ee_jax.models.exit_cost import (
     map_fraction,
     step_speedup,
 )
+from ee_jax.serving.params import acceptance_rate
 
 
 @dataclasses.dataclass
@@ -50,7 +51,7 @@ class EngineStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted / self.num_drafted if self.num_drafted else None
+        return acceptance_rate(self.num_accepted, self.num_drafted)
 
     decode_layers_run: int = 0  # sum over decode steps of the layers the batch ran
     vocab_checks: int = 0  # exit checks that projected onto the vocabulary (their cost)
