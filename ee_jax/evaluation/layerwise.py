@@ -95,10 +95,13 @@ def scored_masks(sequences: Sequence[Sequence[int]], score_from: Sequence[int] |
 @functools.partial(jax.jit, static_argnames=("cfg", "configs"))
 def _dense_pass(params, heads_list, tokens, cfg: ModelConfig, configs: tuple[ExitConfig, ...]):
     """tokens [B, T] -> per config: (confidence [E, B, T], agree [E, B, T])."""
-    logits, hidden = llama.forward(params, tokens, cfg, return_hidden=True)
+    branch = any(ec.head == "branch" for ec in configs)  # exits that read the mid states
+    logits, hidden, *mid = llama.forward(params, tokens, cfg, return_hidden=True,
+                                         return_mid=branch)
     final_top = jnp.argmax(logits, axis=-1)  # [B, T]
     del logits
-    return [exit_checks.dense_confidences(params, heads, hidden, tokens, final_top, cfg, ec)
+    return [exit_checks.dense_confidences(params, heads, hidden, tokens, final_top, cfg, ec,
+                                          mid[0] if ec.head == "branch" else None)
             for ec, heads in zip(configs, heads_list, strict=True)]
 
 

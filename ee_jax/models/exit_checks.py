@@ -24,6 +24,7 @@ from ee_jax.models.exit_heads import (
     approx_subset_logits,
     at_slot,
     exit_hidden,
+    exit_input,
     exit_logits,
     unembed_rows,
 )
@@ -246,7 +247,7 @@ def check_confidence(params: llama.Params, heads, slot, h: jax.Array, state: Che
         feats, state = candidate_features(params, heads, slot, h, state, cfg, ec, first)
         return jax.nn.sigmoid(decision_logit(heads, slot, feats)), None, state
     if ec.needs_vocab:
-        logits = exit_logits(params, heads, slot, h, cfg)
+        logits = exit_logits(params, heads, slot, h, cfg, ec.temperatures)
         conf = confidence_from_logits(logits, ec.measure)
     elif ec.measure == "saturation":
         conf = saturation(h, state.h_prev)
@@ -277,23 +278,29 @@ def _slot_confidence(params, heads, slot, h, state, cfg: ModelConfig, ec: ExitCo
     step computes it (the state chained over exits in order)."""
     conf, logits, state = check_confidence(params, heads, slot, h, state, cfg, ec)
     if logits is None:
-        logits = exit_logits(params, heads, slot, h, cfg)  # [B, T, V]
+        logits = exit_logits(params, heads, slot, h, cfg, ec.temperatures)  # [B, T, V]
     top = jnp.argmax(logits, axis=-1)
     return conf, top, state
 
 
 def dense_confidences(params, heads, hidden: jax.Array, tokens: jax.Array, final_top: jax.Array,
-                      cfg: ModelConfig, ec: ExitConfig) -> tuple[jax.Array, jax.Array]:
+                      cfg: ModelConfig, ec: ExitConfig, mid: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
     """Every exit's (confidence [E, B, T] f32, top-1 == final_top [E, B, T]) from the dense
     forward's hidden [L, B, T, D] of tokens [B, T], the checks chained over the exits in
-    order as the decode step chains them (one exit's logits at a time)."""
+    order as the decode step chains them (one exit's logits at a time). mid: the forward's
+    states after attention [L, B, T, D] (`llama.forward(return_mid=True)`), which a branch
+    exit reads."""
     emb = llama.embed(params, tokens, cfg)
-    hs = hidden[np.asarray(ec.exit_layers) - 1]  # [E, B, T, D]
+    at = np.asarray(ec.exit_layers) - 1
+    hs = hidden[at]  # [E, B, T, D]
+    ms = hs if mid is None else mid[at]
 
     def one(state, args):
-        slot, h = args
+        slot, h, m = args
+        h = exit_input(heads, slot, h, None if mid is None else m, cfg)
         conf, top, state = _slot_confidence(params, heads, slot, h, state, cfg, ec)
         return state, (conf.astype(jnp.float32), top == final_top)
 
     state0 = init_check_state(emb.astype(hs.dtype), ec)
-    return jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs))[1]
+    return jax.lax.scan(one, state0, (jnp.arange(len(ec.exit_layers)), hs, ms))[1]

@@ -19,13 +19,13 @@ import numpy as np
 from ee_jax.errors import EEJaxError
 from ee_jax.models.config import ModelConfig
 
-HeadType = Literal["norm", "adapter", "mlp"]
+HeadType = Literal["norm", "adapter", "mlp", "branch"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
 Backfill = Literal["propagate", "deferred", "learned", "deferred_learned"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
-HEADS = ("norm", "adapter", "mlp")
+HEADS = ("norm", "adapter", "mlp", "branch")
 POLICIES = ("all", "quorum", "never", "per_row")
 BACKFILLS = ("propagate", "deferred", "learned", "deferred_learned")
 
@@ -127,9 +127,20 @@ class ExitConfig:
     # not. 4: for the shipped SmolLM2 heads the ceiling at 4 equals 8's and beats 2's on every
     # workload (docs/benchmarks.md, "Verified exits"), with fewer drafts riding a step
     max_draft: int = 4
+    # Exits trained with parts of their own (EE-LLM and EE-Tuning checkpoints,
+    # `ee_jax.models.megatron`). head "branch": the exit reads its layer's state after
+    # attention, m, and adds an MLP of its own, m + mlp_branch(rms(m)) (EE-LLM's exit MLP:
+    # the layer's MLP is its trunk). exit_norm False: the exit's state goes to the output
+    # unnormed (EE-LLM without --use-exit-norm). exit_output: each exit has its own output
+    # matrix, heads["output"] [E, V, D], instead of the model's LM head. temperatures: one per
+    # exit, each exit's logits divided by it (what its training calibrated; () is 1).
+    exit_norm: bool = True
+    exit_output: bool = False
+    temperatures: tuple[float, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
         if list(self.exit_layers) != sorted(set(self.exit_layers)):
             raise ExitConfigError(f"exit_layers must be strictly increasing, got "
                                   f"{self.exit_layers}")
@@ -156,6 +167,16 @@ class ExitConfig:
                 f"verify=True cannot use backfill {self.backfill!r}: verified exits write "
                 f"exact K/V only, from the run riding along in later steps; set "
                 f"backfill='deferred' (ExitConfig.verified() does)")
+        if self.temperatures and (len(self.temperatures) != len(self.exit_layers)
+                                  or min(self.temperatures) <= 0):
+            raise ExitConfigError(f"temperatures must be one positive number per exit layer "
+                                  f"{self.exit_layers}, got {self.temperatures}")
+        if self.own_parts and (self.measure not in VOCAB_MEASURES or self.vocab_subset):
+            raise ExitConfigError(
+                f"exits with parts of their own (head 'branch', exit_output, exit_norm=False "
+                f"or temperatures) are served with a measure of their logits over the whole "
+                f"vocabulary: measure one of {VOCAB_MEASURES} and vocab_subset 0, not "
+                f"measure {self.measure!r} with vocab_subset {self.vocab_subset}")
         if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
             raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
                                   f"{self.min_row_bucket!r}")
@@ -206,6 +227,13 @@ class ExitConfig:
         drafts a run (None: keep this config's)."""
         return dataclasses.replace(self, verify=True, backfill="deferred",
                                    max_draft=self.max_draft if max_draft is None else max_draft)
+
+    @property
+    def own_parts(self) -> bool:
+        """Whether the exits have parts beyond a norm and an adapter on the model's LM head
+        (EE-LLM's: a branch MLP, their own outputs, no norm, temperatures)."""
+        return (self.head == "branch" or not self.exit_norm or self.exit_output
+                or bool(self.temperatures))
 
     @property
     def enabled(self) -> bool:

@@ -9,12 +9,20 @@ Exit heads live in their own params tree, stacked on a leading exit axis in the 
     classifier/ w [E, D], b [E]                  (measure "classifier": CALM's learned "meta")
     vocab       [K] int32                        (vocab_subset K > 0: the ids exit heads score)
     decision/   w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E]   (measure "candidates")
+    branch/     norm [E, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]
+                                                 (head "branch": EE-LLM's exit MLP, read from
+                                                 the layer's state after attention)
+    output      [E, V, D]                        (exit_output: each exit's own output matrix)
 
-Every head ends in the model's own LM head (`llama.unembed`), so an exit adds no vocabulary
-matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder layers, so a *vocabulary
-subset* keeps it off the path (issue #12): an exit head may score only K frequent token ids
-(the rows of the LM head at `heads["vocab"]`); a token outside the subset can only come from
-full depth. The exit head runs in full once, at the exit taken (`row_exit_logits`).
+`norm` is absent when `ExitConfig.exit_norm` is False (the exit's state goes to its output
+unnormed).
+
+Every head but an `exit_output` one ends in the model's own LM head (`llama.unembed`), so
+an exit adds no vocabulary matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder
+layers, so a *vocabulary subset* keeps it off the path: an exit head may score only K
+frequent token ids (the rows of the LM head at `heads["vocab"]`); a token outside the subset
+can only come from full depth. The exit head runs in full once, at the exit taken
+(`row_exit_logits`).
 """
 
 from __future__ import annotations
@@ -41,8 +49,17 @@ MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to
 
 
 def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
-    E, D, dt = len(ec.exit_layers), cfg.d_model, cfg.jnp_dtype
-    tree: dict[str, Any] = {"norm": jax.ShapeDtypeStruct((E, D), dt)}
+    E, D, F, dt = len(ec.exit_layers), cfg.d_model, cfg.ffn_dim, cfg.jnp_dtype
+    tree: dict[str, Any] = {}
+    if ec.exit_norm:
+        tree["norm"] = jax.ShapeDtypeStruct((E, D), dt)
+    if ec.head == "branch":
+        tree["branch"] = {"norm": jax.ShapeDtypeStruct((E, D), dt),
+                          "w_gate": jax.ShapeDtypeStruct((E, D, F), dt),
+                          "w_up": jax.ShapeDtypeStruct((E, D, F), dt),
+                          "w_down": jax.ShapeDtypeStruct((E, F, D), dt)}
+    if ec.exit_output:
+        tree["output"] = jax.ShapeDtypeStruct((E, cfg.vocab_size, D), dt)
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
         tree[ec.head] = {"down": jax.ShapeDtypeStruct((E, D, r), dt),
@@ -64,10 +81,21 @@ def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
 def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
                key: jax.Array | None = None) -> dict[str, Any]:
     """Untrained heads: each exit's norm starts as the final norm (usable as is), the adapter
-    as the identity (up = 0), the classifier as "confidence 0.5"."""
+    as the identity (up = 0), the classifier as "confidence 0.5"; a branch as a copy of its
+    layer's MLP and post-attention norm and an own output as a copy of the LM head (so an
+    untrained branch exit reads the layer's output, as EE-Tuning initialises them)."""
     E, D = len(ec.exit_layers), cfg.d_model
     key = jax.random.PRNGKey(0) if key is None else key
-    heads: dict[str, Any] = {"norm": jnp.broadcast_to(params["final_norm"], (E, D)).copy()}
+    heads: dict[str, Any] = {}
+    if ec.exit_norm:
+        heads["norm"] = jnp.broadcast_to(params["final_norm"], (E, D)).copy()
+    if ec.head == "branch":
+        at = np.asarray(ec.exit_layers) - 1
+        heads["branch"] = {"norm": params["layers"]["mlp_norm"][at],
+                           **{k: params["layers"][k][at] for k in ("w_gate", "w_up", "w_down")}}
+    if ec.exit_output:
+        head = params["embed"] if cfg.tie_embeddings else params["lm_head"].T  # [V, D]
+        heads["output"] = jnp.broadcast_to(head, (E, *head.shape)).copy()
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
         heads[ec.head] = {
@@ -222,9 +250,23 @@ def at_slot(tree, slot):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), tree)
 
 
+def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfig
+               ) -> jax.Array:
+    """The state exit `slot` reads: h, the layer's output, or under head "branch" the layer's
+    state after attention `mid` plus the exit's own MLP on it (EE-LLM's exit MLP; h, the
+    trunk's output, is then not read). h, mid: [..., D]."""
+    if "branch" not in heads:
+        return h
+    if mid is None:
+        raise ValueError("a branch exit reads its layer's state after attention: pass mid")
+    b = at_slot(heads["branch"], slot)
+    return mid + llama.mlp(b, llama.norm(mid, b["norm"], cfg), cfg)
+
+
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head."""
-    hn = llama.norm(h, at_slot(heads["norm"], slot), cfg)
+    """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head (or
+    the exit's own output). h: what the exit reads (`exit_input`)."""
+    hn = llama.norm(h, at_slot(heads["norm"], slot), cfg) if "norm" in heads else h
     if "adapter" in heads:
         ad = at_slot(heads["adapter"], slot)
         hn = hn + (hn @ ad["down"]) @ ad["up"]
@@ -284,19 +326,35 @@ def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
     return full.at[..., ids].set(sub.astype(jnp.float32))
 
 
-def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfig):
-    """Logits [..., V] (f32) of exit `slot` for hidden states h [..., D]; with a vocabulary
-    subset only its ids are scored (the rest are MASKED)."""
+def _own_output(heads, slot, hn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Exit `slot`'s own output matrix on hn [..., D] -> [..., V] f32."""
+    w = jax.lax.dynamic_index_in_dim(heads["output"], slot, keepdims=False)  # [V, D]
+    return llama.cap_logits(out_major_matmul(hn, w, preferred_element_type=jnp.float32), cfg)
+
+
+def temperature_at(temperatures: tuple[float, ...], slot) -> jax.Array | float:
+    """Exit `slot`'s temperature (`ExitConfig.temperatures`; () is 1)."""
+    return jnp.asarray(temperatures, jnp.float32)[slot] if temperatures else 1.0
+
+
+def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfig,
+                temperatures: tuple[float, ...] = ()):
+    """Logits [..., V] (f32) of exit `slot` for the states it reads h [..., D]
+    (`exit_input`); with a vocabulary subset only its ids are scored (the rest are MASKED).
+    temperatures: `ExitConfig.temperatures`."""
     hn = exit_hidden(heads, slot, h, cfg)
     if "vocab" in heads:
         return scatter_vocab(unembed_rows(params, hn, heads["vocab"], cfg,
                                           heads.get("vocab_rows")),
                              heads["vocab"], cfg.vocab_size)
-    return llama.unembed(params, hn, cfg)
+    if "output" in heads:
+        return _own_output(heads, slot, hn, cfg) / temperature_at(temperatures, slot)
+    return llama.unembed(params, hn, cfg) / temperature_at(temperatures, slot)
 
 
 def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
-                    cfg: ModelConfig, final: bool = True) -> jax.Array:
+                    cfg: ModelConfig, final: bool = True,
+                    temperatures: tuple[float, ...] = ()) -> jax.Array:
     """Logits [B, V] (f32) with a head per row: row b's exit `slots[b]`, or the final head
     where slots[b] < 0. h: [B, D]. `exit_hidden` is vmapped over rows (each row gathers its
     own head weights); the vocabulary projection is one matmul shared by all rows. With a
@@ -305,7 +363,24 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
     rows with slots < 0 get zeros (their final head runs elsewhere: verified exits)."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
     final_h = llama.norm(h, params["final_norm"], cfg)
+    if "output" in heads:  # an exit's own output: one product for each exit some row took
+        left = slots >= 0
+        out = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
+                           lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
+        for e in range(heads["output"].shape[0]):
+            at_e = slots == e
+            out = jax.lax.cond(
+                jnp.any(at_e),
+                lambda o, e=e, at_e=at_e: jnp.where(at_e[:, None], _own_output(heads, e, hn, cfg),
+                                                    o), lambda o: o, out)
+        return out / jnp.where(left, temperature_at(temperatures, jnp.maximum(slots, 0)),
+                               1.0)[:, None]
     if "vocab" not in heads:
+        if temperatures:
+            logits = llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final_h), cfg)
+            return logits / jnp.where(slots >= 0, temperature_at(temperatures,
+                                                                 jnp.maximum(slots, 0)),
+                                      1.0)[:, None]
         return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final_h), cfg)
     ids, left = heads["vocab"], slots >= 0  # [K], [B]
     sub = jax.lax.cond(jnp.any(left),

@@ -314,6 +314,14 @@ def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: Mode
     x: [..., T, D]. `attend` sees this layer's q, k, v and may read and write a cache; it
     applies the layer's mask (`layer_window`), `cfg.attn_scale` and `cfg.attn_logit_softcap`.
     Whatever it returns besides the output comes back as `aux`."""
+    out, _, aux = decoder_layer_mid(lp, x, positions, cfg, attend)
+    return out, aux
+
+
+def decoder_layer_mid(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                      attend: AttendFn) -> tuple[jax.Array, jax.Array, Any]:
+    """`decoder_layer` that also returns the state after attention (the residual the MLP
+    adds to, [..., T, D]): what an EE-LLM branch exit reads (`exit_heads.exit_input`)."""
     xn = norm(x, lp["attn_norm"], cfg)
     q = q_project(lp, xn, positions, cfg)
     k, v = kv_from_normed(lp, xn, positions, cfg)
@@ -325,7 +333,7 @@ def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: Mode
     m = mlp(lp, norm(x, lp["mlp_norm"], cfg), cfg)
     if cfg.post_norms:
         m = norm(m, lp["post_mlp_norm"], cfg)
-    return x + m, aux
+    return x + m, x, aux
 
 
 def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -368,13 +376,15 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
-            positions: jax.Array | None = None, return_hidden: bool = False):
+            positions: jax.Array | None = None, return_hidden: bool = False,
+            return_mid: bool = False):
     """Dense, cache-free causal forward over a full sequence: the reference everything else
     is tested against.
 
     tokens: [B, T] int. Right padding is harmless (causal attention never looks forward).
     Returns logits [B, T, V] (f32), and with `return_hidden` also the hidden state after
-    every layer, [L, B, T, D] (before the final norm).
+    every layer, [L, B, T, D] (before the final norm); with `return_mid` also every layer's
+    state after attention, [L, B, T, D] (`decoder_layer_mid`).
     """
     B, T = tokens.shape
     if positions is None:
@@ -389,13 +399,13 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
             return gqa_attention(q, k, v, mask, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcap), None
 
-        x, _ = decoder_layer(lp, x, positions, cfg, attend)
-        return x, (x if return_hidden else None)
+        x, mid, _ = decoder_layer_mid(lp, x, positions, cfg, attend)
+        return x, (x if return_hidden else None, mid if return_mid else None)
 
     x = embed(params, tokens, cfg)
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    x, hidden = jax.lax.scan(body, x, (params["layers"], layer_ids))
+    x, (hidden, mid) = jax.lax.scan(body, x, (params["layers"], layer_ids))
     logits = final_head(params, x, cfg)
-    if return_hidden:
-        return logits, hidden
+    if return_hidden or return_mid:
+        return (logits, *((hidden,) if return_hidden else ()), *((mid,) if return_mid else ()))
     return logits

@@ -12,8 +12,12 @@ from typing import Any
 from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
+from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.hf import Placer
+from ee_jax.models.megatron import load_megatron
 from ee_jax.models.tokenizer import Tokenizer
+
+EXIT_HEADS_DIR = "exit_heads"  # a model folder's own exit heads (`ee-jax convert` writes it)
 
 
 @dataclasses.dataclass
@@ -23,25 +27,37 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str
     name: str | None = None  # the registry name, when loaded by one
+    exits: tuple[ExitConfig, dict] | None = None  # the checkpoint's own (EE-LLM's)
+
+    def _heads_dir(self) -> Path | None:
+        if self.name:
+            return registry.shipped_exit_heads(self.name)
+        own = Path(self.source) / EXIT_HEADS_DIR
+        return own if (own / "exit_config.json").is_file() else None
 
     def shipped_exit_heads(self):
-        """(ExitConfig, heads) shipped for this model, or None (see registry)."""
-        path = registry.shipped_exit_heads(self.name) if self.name else None
+        """(ExitConfig, heads) that come with this model, or None: the checkpoint's own exits
+        (EE-LLM), the `exit_heads/` folder beside its weights, or the heads the registry
+        ships for it."""
+        if self.exits is not None:
+            return self.exits
+        path = self._heads_dir()
         return None if path is None else load_exit_heads(path, self.config)
 
     def shipped_exit_prior(self, ec) -> tuple[tuple[int, float], ...]:
         """The exit layers the shipped heads are expected to give under `ec`
-        (`exit_checkpoint.load_exit_prior`), () where none are shipped."""
-        path = registry.shipped_exit_heads(self.name) if self.name else None
+        (`exit_checkpoint.load_exit_prior`), () where none are known."""
+        path = None if self.exits is not None else self._heads_dir()
         return () if path is None else load_exit_prior(path, self.config, ec)
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *,
                quantize: str | None = None, progress: bool = True,
                placement: Callable[[ModelConfig], Placer] | None = None,
-               blocks: bool = True) -> LoadedModel:
+               blocks: bool = True, tokenizer: str | Path | None = None) -> LoadedModel:
     """A registry name (`smollm2-135m-instruct`), a .gguf file, a Hugging Face folder
-    (config.json + safetensors) or an ee-jax orbax checkpoint folder.
+    (config.json + safetensors), an ee-jax orbax checkpoint folder, or a Megatron checkpoint
+    of an EE-LLM model (its exits come with it: `LoadedModel.exits`).
 
     quantize="int8": the layer weights become int8 with per-output-channel scales once
     loaded (`ee_jax.models.quant`); the embedding, LM head and norms stay in `dtype`.
@@ -52,19 +68,29 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     blocks (GGUF, the default): layer weights stored as Q4_0/Q4_1/Q8_0 stay in the file's
     blocks (`quant.BlockQ`): bit-identical weights at a quarter of the f32 bytes, dequantized
     inside each step, so decoding reads less memory. blocks=False, an int8 `quantize` or a
-    placement: every weight dequantized to `dtype` on the host."""
+    placement: every weight dequantized to `dtype` on the host.
+    tokenizer: a tokenizer.json (or a folder holding one, its chat template beside it) to use
+    instead of the model's own; a Megatron checkpoint holds none, so it needs one to serve
+    text."""
     quant.check_quantize(quantize)  # before minutes of loading
     t0 = time.perf_counter()
     kind, path = registry.resolve_model(name_or_path)
     if progress:
         print(f"[ee-jax] loading {name_or_path} ({kind}: {path})", file=sys.stderr)
     sharded = placement is not None
-    cfg, params = registry.load_params(name_or_path, dtype=dtype,
-                                       placement=None if quantize else placement,
-                                       blocks=blocks and not quantize and not sharded)
+    exits = None
+    if kind == "megatron":
+        cfg, params, ec, heads = load_megatron(path, dtype=dtype, progress=progress)
+        exits = None if ec is None else (ec, heads)
+    else:
+        cfg, params = registry.load_params(name_or_path, dtype=dtype,
+                                           placement=None if quantize else placement,
+                                           blocks=blocks and not quantize and not sharded)
     params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
-    tokenizer = None
-    if kind == "gguf":
+    given, tokenizer = tokenizer, None
+    if given is not None:
+        tokenizer = Tokenizer.from_file(given)
+    elif kind == "gguf":
         # The model's own tokenization (SmolLM2's tokenizer.json splits digits; transformers'
         # GGUF conversion does not): see ee_jax.models.tokenizer.
         tokenizer = Tokenizer.from_gguf(path, compat="llama.cpp")
@@ -77,8 +103,12 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
               f" ({quant.param_bytes(params) / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
+    if tokenizer is None and kind == "megatron" and progress:
+        print("[ee-jax] a Megatron checkpoint holds no tokenizer: pass one (--tokenizer "
+              "<tokenizer.json or folder>) to serve text; token ids work without",
+              file=sys.stderr)
     name = str(name_or_path) if str(name_or_path) in registry.MODELS else None
-    return LoadedModel(cfg, params, tokenizer, str(path), name)
+    return LoadedModel(cfg, params, tokenizer, str(path), name, exits)
 
 
 def quantize_model(model: LoadedModel, quantize: str | None) -> LoadedModel:

@@ -1,8 +1,9 @@
 """Model names and paths -> a loader.
 
 `resolve_model` accepts a registry name (`smollm2-135m-instruct`), a `.gguf` file, a Hugging
-Face folder (holds `config.json`) or a checkpoint folder written by
-`ee_jax.models.checkpoint.save_checkpoint`; `load_params` loads whichever it is.
+Face folder (holds `config.json`), a checkpoint folder written by
+`ee_jax.models.checkpoint.save_checkpoint` or a Megatron-LM checkpoint of an EE-LLM model
+(`ee_jax.models.megatron`); `load_params` loads whichever it is.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.gguf import load_gguf
 from ee_jax.models.hf import load_hf
 from ee_jax.models.llama import Params, cast_params
+from ee_jax.models.megatron import is_megatron, load_megatron
 
-Kind = Literal["gguf", "hf", "checkpoint"]
+Kind = Literal["gguf", "hf", "checkpoint", "megatron"]
 
 
 def _package_file(package: str, pip_name: str, filename: str) -> Path:
@@ -93,14 +95,17 @@ def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:
     if path.is_dir():
         if is_checkpoint(path):
             return "checkpoint", path
+        if is_megatron(path):
+            return "megatron", path
         if (path / "config.json").is_file():
             return "hf", path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return "gguf", ggufs[0]
     accepted = ("a registry name (" + ", ".join(known_models()) + "), a .gguf file, a Hugging "
-                "Face folder with config.json and safetensors, or a checkpoint folder written "
-                "by ee_jax.models.checkpoint.save_checkpoint")
+                "Face folder with config.json and safetensors, a checkpoint folder written "
+                "by ee_jax.models.checkpoint.save_checkpoint, or a Megatron checkpoint folder "
+                "of an EE-LLM model (latest_checkpointed_iteration.txt)")
     if path.exists():
         raise ModelLoadError(f"Cannot tell what kind of model {path} is. Pass {accepted}.")
     raise ModelLoadError(f"Unknown model {key!r}: no such registry name or path. Pass "
@@ -120,6 +125,8 @@ def load_params(name_or_path: str | os.PathLike, dtype: str = "float32",
         return load_gguf(path, dtype=dtype, blocks=blocks)
     if kind == "hf":
         return load_hf(path, dtype=dtype, placement=placement)
+    if kind == "megatron":  # its exits: `load_megatron` (loading.load_model keeps them)
+        return load_megatron(path, dtype=dtype, progress=False)[:2]
 
     cfg, params, _ = restore_checkpoint(path)
     if cfg.dtype != dtype:

@@ -66,12 +66,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
 
 
 def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                cfg: ModelConfig, backend: str = "reference") -> tuple[jax.Array, KVCache]:
+                cfg: ModelConfig, backend: str = "reference", with_mid: bool = False):
     """Layer `i` (maybe traced) over the paged cache: write this step's K/V, attend.
-    x: [B, T, D], or [N + B, D] on a ragged prefill step's token axis (`meta.has_blocks`)."""
+    x: [B, T, D], or [N + B, D] on a ragged prefill step's token axis (`meta.has_blocks`).
+    Returns (y, cache), or with `with_mid` (y, the state after attention, cache): what a
+    branch exit reads (`exit_heads.exit_input`)."""
 
     def layer_attend(q, k, v):
         return attend(q, k, v, cache, i, meta, cfg, backend)
 
-    return llama.decoder_layer(llama.layer_params(params, i), x, meta.token_positions, cfg,
-                               layer_attend)
+    y, mid, cache = llama.decoder_layer_mid(llama.layer_params(params, i), x,
+                                            meta.token_positions, cfg, layer_attend)
+    return (y, mid, cache) if with_mid else (y, cache)

@@ -235,6 +235,8 @@ class _Loop:
     running: jax.Array  # (c) [B] bool
     done: jax.Array  # (c) [B] bool: confident at some check (BatchExit's rule reads it)
     check: exit_checks.CheckState  # (c) what a check carries to the next (per row)
+    mid: jax.Array  # (c) [B, D] the own query's state after attention in the last layer run
+    #                 (head "branch" reads it; [B, 0] otherwise)
     h_exit: jax.Array  # [B, D] (original order) hidden state each row left with
     exit_layer: jax.Array  # [B] (original order) int32, L until the row leaves
     logits: jax.Array  # [B, V or 1] (original order) logits a check computed for rows that left
@@ -343,7 +345,9 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     table = jnp.asarray(ec.exit_index_table(L))
     active = meta.kv_lens > 0  # padding rows have no keys: they never run
     force = ec.force_exit_layer
-    keep_logits = ec.needs_vocab and force is None  # checks compute the exit's logits
+    branch = ec.head == "branch"  # exits read the layer's state after attention too
+    # checks compute the exit's logits (a forced branch exit too: only the check has its state)
+    keep_logits = ec.needs_vocab and (force is None or branch)
     can_exit = jnp.asarray(True) if force is not None else policy.can_exit(thresholds, active)
     checked = checked_layers(ec, L)
     start = checked[0] if checked else L  # the first check (none if L)
@@ -358,13 +362,15 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         perm, running = s.perm[order], s.running[order]
         return dataclasses.replace(
             s, x=s.x[order], perm=perm, pend=s.pend[order], running=running,
-            done=s.done[order], check=_rows(s.check, order)), _take_rows(meta, perm, running)
+            done=s.done[order], check=_rows(s.check, order), mid=s.mid[order]
+        ), _take_rows(meta, perm, running)
 
     def check(z: int, first: bool, s: _Loop) -> _Loop:
         """Exit check over the first z rows (z: the stage's bucket; the rest are padding);
         `first` (static): the step's first check (measure "candidates" picks its candidates
         there), else one of the later ones."""
         n, h = s.n, s.x[:, -1]  # the row's own token (the last query)
+        he = exit_heads.exit_input(heads, table[n], h, s.mid, cfg) if branch else h
         checks, logits_buf = s.checks, s.logits
         if force is not None:
             # forcing ignores confidence; under verify a row whose threshold is NEVER still
@@ -373,9 +379,12 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             if verify:
                 confident = confident & (thresholds[s.perm] <= 1.0)
             state = s.check
+            if keep_logits:
+                logits = exit_heads.exit_logits(params, heads, table[n], he[:z], cfg,
+                                                ec.temperatures)
         else:
             conf, logits, part = exit_checks.check_confidence(
-                params, heads, table[n], h[:z], _rows(s.check, slice(0, z)), cfg, ec,
+                params, heads, table[n], he[:z], _rows(s.check, slice(0, z)), cfg, ec,
                 first=first)
             state = part if z == B else jax.tree.map(lambda a, p: a.at[:z].set(p),
                                                      s.check, part)
@@ -399,21 +408,28 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         queries and their own (w = 0: the own queries alone, as without "deferred"); mz: the
         stage's metadata of those rows (loop-invariant)."""
         s, cache = c
+
+        def with_mid(y, mid):  # the own queries' states after attention, when exits read them
+            return s.mid if not branch else (mid[:, -1] if z == B
+                                             else s.mid.at[:z].set(mid[:, -1]))
+
         if not deferred:
-            y, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention)
+            y, mid, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention,
+                                        with_mid=True)
             return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
-                                       work=s.work + z), cache
+                                       work=s.work + z, mid=with_mid(y, mid)), cache
         # a pending query runs the layers its token skipped; elsewhere its position is made
         # invalid (>= kv_len): it writes nothing and keeps its state
         lo = P - w
         runs = (s.pend[:z, lo:] <= s.n) & s.running[:z, None]  # [z, w]
         pos = mz.positions[:, lo:]
         pos = pos.at[:, :w].set(jnp.where(runs, pos[:, :w], mz.kv_lens[:, None]))
-        y, cache = paged_layer(params, s.n, s.x[:z, lo:], cache,
-                               dataclasses.replace(mz, positions=pos), cfg, attention)
+        y, mid, cache = paged_layer(params, s.n, s.x[:z, lo:], cache,
+                                    dataclasses.replace(mz, positions=pos), cfg, attention,
+                                    with_mid=True)
         y = y.at[:, :w].set(jnp.where(runs[..., None], y[:, :w], s.x[:z, lo:P]))
         return dataclasses.replace(s, n=s.n + 1, x=s.x.at[:z, lo:].set(y),
-                                   work=s.work + z), cache
+                                   work=s.work + z, mid=with_mid(y, mid)), cache
 
     def stage(k: int, s: _Loop, smeta: AttentionMetadata, cache: KVCache
               ) -> tuple[_Loop, KVCache]:
@@ -467,6 +483,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     s = _Loop(n=jnp.asarray(0, jnp.int32), x=x, perm=jnp.arange(B, dtype=jnp.int32),
               pend=jnp.where(active[:, None], pending.layer, L), running=active,
               done=jnp.zeros((B,), bool), check=exit_checks.init_check_state(x[:, -1], ec),
+              mid=jnp.zeros((B, cfg.d_model if branch else 0), x.dtype),
               h_exit=x[:, -1], exit_layer=jnp.full((B,), L, jnp.int32),
               logits=jnp.zeros((B, cfg.vocab_size if keep_logits else 1), jnp.float32),
               checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(0, jnp.int32))
@@ -583,17 +600,17 @@ def _exit_logits(params, heads, h_exit, exit_layer, active, s: _Loop, table,
         exited = jnp.any(left)
 
         def at_exit():
-            return s.logits if keep_logits else exit_heads.exit_logits(params, heads, table[n],
-                                                                       h_exit, cfg)
+            return s.logits if keep_logits else exit_heads.exit_logits(
+                params, heads, table[n], h_exit, cfg, policy.ec.temperatures)
 
         return jax.lax.cond(exited, at_exit, final_head)
     slots = jnp.where(left, table[jnp.minimum(exit_layer, L)], -1)
     if not keep_logits:
-        return exit_heads.row_exit_logits(params, heads, slots, h_exit, cfg, final)
+        return exit_heads.row_exit_logits(params, heads, slots, h_exit, cfg, final,
+                                          policy.ec.temperatures)
     # Rows that left have their logits from the check; the head runs only if a row did not.
     need_head = jnp.any(active & ~left) & final
     return jax.lax.cond(
         need_head,
-        lambda: jnp.where(left[:, None], s.logits, exit_heads.row_exit_logits(
-            params, heads, slots, h_exit, cfg)),
+        lambda: jnp.where(left[:, None], s.logits, llama.final_head(params, h_exit, cfg)),
         lambda: s.logits)
