@@ -208,6 +208,14 @@ def _precompile(args, llm) -> None:
               f"program cache", file=sys.stderr)
 
 
+def _convert(args) -> int:
+    from ee_jax.models.convert import convert
+
+    convert(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
+            overwrite=args.overwrite, progress=not args.quiet)
+    return 0
+
+
 def _load_model(args):
     """The model named by --model; "random" is a tiny random model with a byte tokenizer (for
     trying the server or the CLI without a model file)."""
@@ -219,7 +227,7 @@ def _load_model(args):
 
         return quantize_model(random_model(), args.quantize)
     return load_model(args.model, dtype=args.dtype, quantize=args.quantize,
-                      progress=not args.quiet)
+                      progress=not args.quiet, tokenizer=args.tokenizer)
 
 
 def _serve(args) -> int:
@@ -549,6 +557,9 @@ def _add_eval_parser(sub) -> None:
 def _add_engine_args(g: argparse.ArgumentParser) -> None:
     """Model dtype, KV cache and early-exit flags (generate and serve)."""
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--tokenizer", default=None, help="a tokenizer.json (or its folder, chat "
+                   "template beside it) instead of the model's own: a Megatron (EE-LLM) "
+                   "checkpoint holds none")
     g.add_argument("--quantize", default=None, metavar="int8",
                    help="weight-only int8 layer weights (per-output-channel scales); the "
                    "embedding, LM head and exit heads stay in --dtype")
@@ -664,6 +675,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per output")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("convert", help="write a model (an EE-LLM Megatron checkpoint) as a "
+                       "folder ee-jax serves without torch: HF safetensors + its exit heads")
+    c.add_argument("src", help="the model: an EE-LLM / EE-Tuning Megatron checkpoint folder "
+                   "(or anything --model takes)")
+    c.add_argument("out", help="the folder to write")
+    c.add_argument("--tokenizer", default=None, help="a tokenizer.json or its folder, copied "
+                   "in (with its chat template)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="of the written weights (float32 keeps EE-LLM's fp16/fp32 exact)")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    c.add_argument("--quiet", action="store_true", help="no progress")
+    c.set_defaults(func=_convert)
 
     t = sub.add_parser("tune", help="train exit heads on a frozen model (EE-Tuning)")
     t.add_argument("--config", required=True, help="YAML preset, e.g. "

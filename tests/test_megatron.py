@@ -113,7 +113,7 @@ def _tied_exit(model, parts, ids, n, temperature):
 
 
 def _ee_jax_exit(lm, slot, ids):
-    ec, heads = lm.exits
+    ec, heads = lm.shipped_exit_heads()
     _, hidden, mid = llama.forward(lm.params, jnp.asarray([ids]), lm.config, return_hidden=True,
                                    return_mid=True)
     e = ec.exit_layers[slot]
@@ -274,3 +274,43 @@ def _save_with_megatron_names(ck, path):
             else:
                 sys.modules[n] = m
 
+
+
+def test_convert_once_then_serve_without_torch(untied, tmp_path, capsys):
+    """`ee-jax convert` writes a Hugging Face folder with the exits beside it: ee-jax loads
+    it with the same exits, transformers loads the backbone, and `ee-jax generate` serves it
+    with the tokenizer given (token for token what the Megatron folder serves)."""
+    import json
+
+    import tokenizers
+
+    from ee_jax.cli import main
+
+    model, folder, _ = untied
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "converted"
+    assert main(["convert", str(folder), str(out), "--tokenizer",
+                 str(tmp_path / "tokenizer.json"), "--quiet"]) == 0
+    meg, conv = load_model(str(folder), progress=False), load_model(str(out), progress=False)
+    ec, _ = conv.shipped_exit_heads()
+    assert ec == meg.exits[0] and conv.tokenizer is not None
+    ids = PROMPTS[1]
+    for slot in range(2):
+        np.testing.assert_array_equal(_ee_jax_exit(conv, slot, ids), _ee_jax_exit(meg, slot, ids))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.tensor([ids])).logits[0].numpy(),
+                                   model(torch.tensor([ids])).logits[0].numpy(), atol=1e-5)
+    prompt = " ".join(f"t{i}" for i in ids)
+    outs = []
+    for src in (folder, out):
+        capsys.readouterr()
+        assert main(["generate", "--model", str(src), "--tokenizer",
+                     str(tmp_path / "tokenizer.json"), "--prompt", prompt, "--no-chat",
+                     "--max-tokens", "6", "--json", "--quiet", "--max-model-len", "64",
+                     "--exit-control", "exits", "--exit-threshold", "0.0"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["text"] == outs[1]["text"] and outs[0]["text"]

@@ -407,3 +407,47 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32",
                                                   where_to(("layers", key), len(shape)))
     check_params(cfg, params, source=str(folder))
     return cfg, params
+
+
+def save_hf(folder: str | os.PathLike, cfg: ModelConfig, params: Params) -> Path:
+    """Write a Llama-family model as a Hugging Face folder (config.json + model.safetensors),
+    the inverse of `load_hf` through the same tensor names: what `ee-jax convert` writes, and
+    what ee-jax and transformers both load. Weights keep their dtype."""
+    plain = (not cfg.qkv_bias and not cfg.qk_norm and not cfg.post_norms and not cfg.embed_scale
+             and cfg.norm_offset == 0 and cfg.activation == "silu" and cfg.sliding_window is None
+             and cfg.rope_scaling is None and cfg.final_logit_softcap is None)
+    if not plain:
+        raise UnsupportedModelError(f"save_hf writes plain Llama models; {cfg.name} has "
+                                    f"options of another family (biases, extra norms, windows, "
+                                    f"RoPE scaling): save it with checkpoint.save_checkpoint")
+    check_params(cfg, params, source=cfg.name)
+    from ee_jax.models.safetensors_io import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    host = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
+    tensors: dict[str, np.ndarray] = {}
+    for name, key in GLOBAL_TENSORS.items():
+        if key in params:
+            a = host(params[key])
+            tensors[name] = np.ascontiguousarray(a.T if key == "lm_head" else a)
+    for suffix, key in LAYER_TENSORS.items():
+        stacked = host(params["layers"][key])
+        for i in range(cfg.n_layers):
+            a = stacked[i]
+            tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a.T if a.ndim == 2
+                                                                         else a)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position, "torch_dtype": cfg.dtype,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
+        "attention_bias": False, "mlp_bias": False}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
