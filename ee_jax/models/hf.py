@@ -29,6 +29,7 @@ import numpy as np
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
+from ee_jax.models.safetensors_io import save_file
 
 # Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params["layers"],
 # shared by every family; `Family.tensors` adds or overrides entries.
@@ -271,7 +272,7 @@ def _set_layer(stacked: jax.Array, x: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), i, 0)
 
 
-def _device_stack(pieces, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+def device_stack(pieces, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
     """Stack host arrays into one device array [L, ...] a piece at a time, in place (the
     stacked leaf is never on the host, nor twice on the device)."""
     stacked = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
@@ -403,7 +404,7 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32",
         for suffix, key in tensors.items():
             shape = (L, *shapes["layers"][key].shape[1:])
             pieces = (read(f"model.layers.{i}.{suffix}", len(shape) == 3) for i in range(L))
-            params["layers"][key] = _device_stack(pieces, shape, target,
+            params["layers"][key] = device_stack(pieces, shape, target,
                                                   where_to(("layers", key), len(shape)))
     check_params(cfg, params, source=str(folder))
     return cfg, params
@@ -421,8 +422,6 @@ def save_hf(folder: str | os.PathLike, cfg: ModelConfig, params: Params) -> Path
                                     f"options of another family (biases, extra norms, windows, "
                                     f"RoPE scaling): save it with checkpoint.save_checkpoint")
     check_params(cfg, params, source=cfg.name)
-    from ee_jax.models.safetensors_io import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     host = lambda a: np.asarray(jax.device_get(a))  # noqa: E731

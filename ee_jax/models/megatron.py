@@ -45,11 +45,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig
 from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.hf import device_stack
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -375,10 +377,6 @@ def load_megatron(folder: str | Path, dtype: str = "float32", *, rope_theta: flo
     """(config, params, ExitConfig, exit heads) of an EE-LLM / EE-Tuning checkpoint folder
     (any tensor and pipeline parallel layout; shards merged); ExitConfig and heads None when
     it has no exit ee-jax can serve. Weights go to `dtype` a layer at a time."""
-    import jax.numpy as jnp
-
-    from ee_jax.models.hf import _device_stack
-
     folder = Path(folder)
     if not is_megatron(folder):
         raise ModelLoadError(f"{folder} is not a Megatron checkpoint folder (no {TRACKER} "
@@ -436,7 +434,7 @@ def load_megatron(folder: str | Path, dtype: str = "float32", *, rope_theta: flo
             _log(f"  layers {i + 1}/{cfg.n_layers}", progress)
     params: Params = {"layers": {}}
     for k, s in shapes["layers"].items():
-        params["layers"][k] = _device_stack(iter(pieces[k]), s.shape, target, None)
+        params["layers"][k] = device_stack(iter(pieces[k]), s.shape, target, None)
         pieces[k] = []
     emb_stage, last = stages[0], stages[-1]
     V, D = cfg.vocab_size, cfg.d_model
@@ -474,8 +472,6 @@ def _exit_heads(stages: list[_Stage], exits: list[tuple[int, int]], all_nums: li
     """Each exit's parts from the stage holding its layer, stacked in exit order. all_nums:
     every exit's Megatron layer number (a stage numbers its exit outputs over all of its own,
     served or not)."""
-    import jax.numpy as jnp
-
     D, F, V = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
     norms, branches, outputs = [], [], []
     for n, _ in exits:
