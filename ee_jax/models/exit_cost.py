@@ -107,6 +107,8 @@ def cost_model(cfg: ModelConfig, ec: ExitConfig, completion: float = 0.0) -> Cos
     D, lay = cfg.d_model, float(layer_macs(cfg))
     vocab = ec.vocab_subset or cfg.vocab_size
     hidden = D + (2 * D * ec.adapter_rank if ec.head in ("adapter", "mlp") else 0)
+    if ec.head == "branch":  # EE-LLM's exit MLP: a whole SwiGLU MLP of the model's width
+        hidden = D + 3 * D * cfg.ffn_dim
     if ec.measure in VOCAB_MEASURES:
         check = first = hidden + vocab * D + 2 * vocab
     elif ec.measure == "candidates":

@@ -54,6 +54,9 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     # exit heads (ee_jax.models.exit_heads): the adapter / MLP head's width is split like the
     # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
     "down": ("embed", "mlp"), "up": ("mlp", "embed"),
+    # an EE-LLM exit's own output matrix [V, D] (`exit_output`) is split like the LM head;
+    # its branch MLP's w_gate / w_up / w_down like the layers' MLP (by name, above)
+    "output": ("vocab", "embed"),
 }
 # The KV cache [layers, pages, page_size, kv_heads, head_dim].
 CACHE_AXES = (None, None, None, "kv_heads", None)
