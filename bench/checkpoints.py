@@ -110,7 +110,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 who, path = sys.argv[1], sys.argv[2]
 if who == "ee-jax":
-    import jax  # imported before the clock starts, as torch below
+    import jax, torch  # imported before the clock starts, as torch below
     from ee_jax.models.loading import load_model
     jax.numpy.zeros(1).block_until_ready()
     time.sleep(0.05)
