@@ -9,13 +9,14 @@
    pipeline parallel 1, exits at L/4 and L/2 with exit norm, branch MLP and their own outputs,
    fp32, as EE-Tuning's `add-exit` MLP recipe) under --folder (kept: reruns reuse it).
 2. Loaded: each in a fresh process, page cache warm (one unmeasured load of each first),
-   --rounds interleaved: ee-jax `load_model(<megatron folder>)` (backbone and exits, f32)
-   against transformers `AutoModelForCausalLM.from_pretrained(<hf folder>,
-   torch_dtype=float32)` (the backbone only). Wall time of the call, and peak memory: the
-   load's peak anonymous RSS (`RssAnon` sampled every 10 ms, less the process's before the
-   call: the file pages of a memory-mapped checkpoint are page cache, not the loader's) and
-   the process's high-water RSS (`ru_maxrss`, everything), against the checkpoint's bytes on
-   disk and the loaded weights' (f32: about twice an fp16 file).
+   --rounds interleaved: ee-jax `load_model(<megatron folder>, dtype=D)` (backbone and
+   exits) against transformers `AutoModelForCausalLM.from_pretrained(<hf folder>,
+   torch_dtype=D)` (the backbone only), D = --load-dtype (float32, or float16: the file's).
+   Wall time of the call, and peak memory: the load's peak anonymous RSS (`RssAnon`
+   sampled every 10 ms, less the process's before the call: the pages of a memory-mapped
+   checkpoint are page cache, not the loader's) and the process's high-water RSS
+   (`ru_maxrss`, everything), against the checkpoint's bytes on disk (f32 weights are about
+   twice an fp16 file).
 3. Served: ee-jax at full depth (`early_exit=False`: the baseline) and with the checkpoint's
    own exits (policy per_row, the exit program forced: `exit_control="exits"`, threshold
    --threshold), batch 1 and 8, greedy, --new-tokens each, random prompts; warm-up first,
@@ -108,7 +109,7 @@ def sample():
                 peak[0] = max(peak[0], int(line.split()[1]) * 1024)
         time.sleep(0.01)
 threading.Thread(target=sample, daemon=True).start()
-who, path = sys.argv[1], sys.argv[2]
+who, path, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 if who == "ee-jax":
     import jax, torch  # imported before the clock starts, as torch below
     from ee_jax.models.loading import load_model
@@ -116,14 +117,14 @@ if who == "ee-jax":
     time.sleep(0.05)
     base = peak[0]
     t0 = time.perf_counter()
-    m = load_model(path, progress=False)
+    m = load_model(path, dtype=dtype, progress=False)
     jax.block_until_ready(m.params)
 else:
     import torch, transformers
     time.sleep(0.05)
     base = peak[0]
     t0 = time.perf_counter()
-    m = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, dtype))
 t = time.perf_counter() - t0
 time.sleep(0.05)
 print(json.dumps({"time": t, "rss_anon": peak[0] - base,
@@ -131,8 +132,9 @@ print(json.dumps({"time": t, "rss_anon": peak[0] - base,
 """
 
 
-def load_once(who: str, path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", LOADER, who, str(path)], capture_output=True,
+def load_once(who: str, path: Path, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", LOADER, who, str(path), dtype],
+                         capture_output=True,
                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if out.returncode:
         raise RuntimeError(f"{who} load failed:\n{out.stderr[-2000:]}")
@@ -143,15 +145,16 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def bench_load(hf: Path, meg: Path, rounds: int) -> list[str]:
-    load_once("ee-jax", meg), load_once("transformers", hf)  # page cache warm, unmeasured
+def bench_load(hf: Path, meg: Path, rounds: int, dtype: str) -> list[str]:
+    load_once("ee-jax", meg, dtype), load_once("transformers", hf, dtype)  # page cache warm
     runs: dict[str, list[dict]] = {"ee-jax": [], "transformers": []}
     for r in range(rounds):
         for who, path in (("ee-jax", meg), ("transformers", hf)):
-            runs[who].append(load_once(who, path))
+            runs[who].append(load_once(who, path, dtype))
             common.log(f"load round {r + 1}/{rounds} {who}: {runs[who][-1]['time']:.1f} s")
     size = {"ee-jax": folder_bytes(meg), "transformers": folder_bytes(hf)}
-    lines = ["| loader | checkpoint | on disk | load s (median) | load's peak RssAnon "
+    lines = [f"Both loaders to {dtype}.", "",
+             "| loader | checkpoint | on disk | load s (median) | load's peak RssAnon "
              "| process peak RSS |",
              "|---|---|---|---|---|---|"]
     for who, what in (("ee-jax", "EE-LLM Megatron (backbone + 2 exits)"),
@@ -213,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threshold", type=float, default=0.0005,
                    help="exit confidence (random weights: max_prob sits near 1/vocab)")
+    p.add_argument("--load-dtype", choices=("float32", "float16"), default="float32",
+                   help="what both loaders load to (float16: the file's own, nothing cast)")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--skip-serve", action="store_true")
     args = p.parse_args(argv)
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
     hf, meg = write(folder, args.shape)
     out = [common.report_header("python -m bench.checkpoints " + " ".join(argv or sys.argv[1:]))]
     if not args.skip_load:
-        out += ["", "### Loading", "", *bench_load(hf, meg, args.rounds)]
+        out += ["", "### Loading", "", *bench_load(hf, meg, args.rounds, args.load_dtype)]
     if not args.skip_serve:
         served = bench_serve(meg, args.batches, args.new_tokens, args.threshold)
         out += ["", "### Served with its own exits", "", *served]

@@ -36,16 +36,19 @@ class LLM:
     def __init__(self, model: str | LoadedModel = "smollm2-135m-instruct", *,
                  dtype: str = "float32", quantize: str | None = None, progress: bool = True,
                  exit_config: ExitConfig | None = None, exit_heads=None,
-                 early_exit: bool = True, **engine_kwargs):
-        """Without `exit_config`, a registry model with shipped exit heads (SmolLM2) serves
-        with them; `early_exit=False` serves at full depth instead. quantize="int8" serves
-        int8 layer weights (per-output-channel scales; exit heads stay in the model dtype)."""
+                 early_exit: bool = True, tokenizer: str | None = None, **engine_kwargs):
+        """Without `exit_config`, a model that comes with exit heads (SmolLM2's shipped ones,
+        an EE-LLM checkpoint's own, a converted folder's `exit_heads/`) serves with them;
+        `early_exit=False` serves at full depth instead. quantize="int8" serves int8 layer
+        weights (per-output-channel scales; exit heads stay in the model dtype). tokenizer: a
+        tokenizer.json or its folder, for a model that holds none (a Megatron checkpoint)."""
         t0 = time.perf_counter()
         spec = engine_kwargs.get("mesh")
         mesh = sharding.MeshSpec.parse(spec).make_mesh() if spec else None  # built once
         self.model = quantize_model(model, quantize) if isinstance(model, LoadedModel) else \
             load_model(model, dtype=dtype, quantize=quantize, progress=progress,
-                       placement=sharding.placement(spec, mesh) if spec else None)
+                       placement=sharding.placement(spec, mesh) if spec else None,
+                       tokenizer=tokenizer)
         if not early_exit:
             exit_config, exit_heads = None, None
         elif exit_config is None and exit_heads is None:
