@@ -399,12 +399,23 @@ def _to_device(pieces: list[np.ndarray], transpose: bool, dtype, stack: bool = T
     one piece, stack=False) in one host array, copied to the device. The pieces are filled on
     every core (numpy releases the GIL while it copies)."""
     shape = pieces[0].shape[::-1] if transpose else pieces[0].shape
-    host = np.empty((len(pieces), *shape) if stack else shape, dtype)
+    host = _aligned_empty((len(pieces), *shape) if stack else shape, dtype)
     outs = list(host) if stack else [host]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(lambda ab: _fill(ab[0], ab[1], transpose), zip(outs, pieces,
                                                                       strict=True)))
-    return jax.device_put(host)
+    # on CPU the device array is this buffer (no copy: it is aligned as XLA wants); it is
+    # never written again
+    return jax.device_put(host, may_alias=True)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
+    """np.empty, 64-byte aligned: XLA's CPU client aliases such a buffer instead of copying
+    it (a 1B model: 4.2 GB of copies saved)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.empty(n + align, np.uint8)
+    off = -buf.ctypes.data % align
+    return buf[off:off + n].view(dtype).reshape(shape)
 
 
 # ------------------------------------------------------------------------------ the loader
