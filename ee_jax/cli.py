@@ -1,4 +1,8 @@
-"""The `ee-jax` command line."""
+"""The `ee-jax` command line.
+
+Building the parser imports no JAX (`ee-jax --help` answers at once): each subcommand imports
+its layer when it runs, and the package namespaces import on first use (`ee_jax.lazy`).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,6 @@ from pathlib import Path
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
-from ee_jax.serving.compilation import (
-    compilation_cache_from_env,
-    enable_compilation_cache,
-    program_cache_dir,
-    quiet_libtpu,
-)
 
 
 def _read_prompts(args) -> list[dict]:
@@ -196,6 +194,8 @@ def _follower(llm) -> bool:
 
 
 def _precompile(args, llm) -> None:
+    from ee_jax.serving.compilation import program_cache_dir
+
     if args.precompile != "none":
         kinds = ("decode",) if args.precompile == "decode" else ("decode", "prefill")
         s = llm.engine.stats
@@ -724,6 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     """Every mistake ends in one line on stderr and exit status 2 (argparse's own usage
     errors too); a traceback means a bug in ee-jax."""
     args = build_parser().parse_args(argv)
+    from ee_jax.serving.compilation import (  # JAX: only once a command runs
+        compilation_cache_from_env,
+        enable_compilation_cache,
+        quiet_libtpu,
+    )
+
     # libtpu installed (the tpu-aot extra) on a host without a TPU: JAX's start-up probes it
     # and it would warn about host bounds and worker hostnames (`compilation.quiet_libtpu`).
     quiet_libtpu()
