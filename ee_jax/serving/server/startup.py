@@ -244,8 +244,8 @@ class Startup:
         if not self._shapes:
             print(f"ee-jax: ready in {took:.1f}s", file=sys.stderr)
             return
-        later = (f"; the other {len(self._later)} compile while the engine is idle"
-                 if self._later else "")
+        rest = len(self._shapes) - self._first  # (the idle work may have begun on them)
+        later = f"; the other {rest} compile while the engine is idle" if rest else ""
         print(f"ee-jax: ready in {took:.1f}s: the smallest batch bucket's {self._first} step "
               f"programs ({self._counts()}){later}", file=sys.stderr)
 
