@@ -279,7 +279,7 @@ def _serve(args) -> int:
     finally:
         if startup.engine is not None:
             startup.engine.stop_followers()
-    return 0
+    return 1 if startup.state == "failed" else 0  # (its error was printed when it failed)
 
 
 def _exit_kwargs(args, model) -> dict:

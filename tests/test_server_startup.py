@@ -11,9 +11,13 @@ never after a guessed delay. The tiny random model keeps the engines cheap.
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +28,7 @@ from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import SamplingParams
 from ee_jax.serving.server import BackgroundServer, ServerConfig, Startup
+from ee_jax.serving.server.run import free_port
 
 MODEL = "tiny"
 PROMPT = "alpha beta"
@@ -214,3 +219,34 @@ def test_serve_checks_the_model_before_it_listens(capsys):
     assert main(["serve", "--model", "/no/such/model.gguf", "--port", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such registry name or path" in err[0], err
+
+
+@pytest.mark.slow
+def test_ee_jax_serve_reports_a_failed_start(tmp_path):
+    """`ee-jax serve` whose engine cannot be built (a KV cache too small for one sequence):
+    /health says "failed" with the error, the log has it in one line, and the process, once
+    stopped, exits 1."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ee_jax.cli", "serve", "--model", "random", "--port", str(port),
+         "--num-pages", "2", "--quiet"], stdout=log, stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def failed() -> bool:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url + "/health").json()["status"] == "failed"
+            return False
+
+        _until(failed, "/health to say failed")
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "cannot hold one sequence" in health.json()["error"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    text = (tmp_path / "serve.log").read_text()
+    assert rc == 1, text
+    assert "ee-jax: error: the server failed to start (loading): ValueError: the KV cache" in text
+    assert "Traceback" not in text
