@@ -89,10 +89,14 @@ the engine, so the ratio there is pessimistic. "load avg" is the machine's 1-min
 average after each rate (other processes included): far above the core count means the
 figures are contended.
 
-start -- How long `ee-jax serve` (its defaults: every step shape precompiled) takes from launch
-to the first `/health` 200: once with empty caches (a fresh `EE_JAX_COMPILATION_CACHE`
-folder: every program compiled), then --restarts times with them warm (programs loaded from
-the program cache), with the server's own "N step programs ready ... X compiled, Y loaded".
+start -- How long `ee-jax serve` (its defaults: the smallest batch bucket's step programs
+compiled before it serves, the others while idle) takes from launch until its port answers
+(the first /health), until /ready answers 200, until a chat completion sent as soon as the
+port answered comes back (it waits for the engine), and until every step program is ready (the
+server's "all N step programs ready" line): once with empty caches (a fresh
+`EE_JAX_COMPILATION_CACHE` folder: every program compiled), then --restarts times with them
+warm (programs loaded from the program cache), with the server's own "ready in ... X compiled,
+Y loaded".
 """
 
 from __future__ import annotations
@@ -575,7 +579,7 @@ class Server:
         log(f"starting: {' '.join(cmd[1:])}")
         self.proc = subprocess.Popen(cmd)
         try:
-            wait_healthy(self.proc, self.url, args.start_timeout, "bench.load http")
+            wait_until(self.proc, self.url + "/ready", args.start_timeout, "bench.load http")
         except SystemExit:
             self.stop()
             raise
@@ -594,15 +598,17 @@ class Server:
         stop_server(self.proc)
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, who: str) -> None:
-    """Return once the server at `url` answers /health with 200; SystemExit if it exits or
-    is not up within `timeout` seconds."""
+def wait_until(proc: subprocess.Popen, url: str, timeout: float, who: str,
+               answered: bool = False) -> None:
+    """Return once GET `url` answers 200 (answered: answers at all, the port is open);
+    SystemExit if the server exits or that takes over `timeout` seconds. (`/health` answers
+    200 while the server starts; `/ready` once it serves.)"""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"{who}: the server exited ({proc.returncode})")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200 or answered:
                 return
         except httpx.HTTPError:
             pass
@@ -857,34 +863,59 @@ def start_main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "EE_JAX_COMPILATION_CACHE": cache}
         rows = []
         for n in range(1 + args.restarts):
-            kind = "cold" if n == 0 else "warm"
-            port = free_port()
-            cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", args.model,
-                   "--port", str(port)]
-            t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            lines: list[str] = []
-            reader = _drain(proc, lines)
-            try:
-                wait_healthy(proc, f"http://127.0.0.1:{port}", args.start_timeout,
-                             "bench.load start")
-                ready = time.monotonic() - t0
-            except SystemExit:
-                print("".join(lines[-10:]), file=sys.stderr)
-                raise
-            finally:
-                stop_server(proc)
-                reader.join(5)
-            programs = next((ln.strip() for ln in lines if "step programs ready" in ln), "-")
-            rows.append((kind, ready, programs))
-            log(f"{kind}: ready in {ready:.1f} s ({programs})")
-    print(f"`ee-jax serve --model {args.model}`, launch to /health 200; {cpu}, "
+            rows.append(_one_start("cold" if n == 0 else "warm", args, env))
+            log("{}: port {:.1f} s, ready {:.1f} s, first completion {:.1f} s, all programs "
+                "{:.1f} s ({})".format(*rows[-1]))
+    print(f"`ee-jax serve --model {args.model}`, seconds from launch; {cpu}, "
           f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at the end\n")
-    print("| start | ready s | the server's own count |\n|---|---:|---|")
-    for kind, ready, programs in rows:
-        print(f"| {kind} | {ready:.1f} | {programs.removeprefix('ee-jax: ')} |")
+    print("| start | port answers | /ready 200 | first completion | all programs | the server's "
+          "own count |\n|---|---:|---:|---:|---:|---|")
+    for kind, port_s, ready, first, every, programs in rows:
+        print(f"| {kind} | {port_s:.1f} | {ready:.1f} | {first:.1f} | {every:.1f} | "
+              f"{programs.removeprefix('ee-jax: ')} |")
     return 0
+
+
+def _one_start(kind: str, args, env: dict) -> tuple[str, float, float, float, float, str]:
+    """Launch `ee-jax serve`, time its port, /ready, a first chat completion (sent once the
+    port answers) and its "all N step programs ready" line, then stop it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", args.model,
+           "--port", str(port)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[str] = []
+    reader = _drain(proc, lines)
+    ready: list[float] = []
+    try:
+        wait_until(proc, url + "/health", args.start_timeout, "bench.load start", answered=True)
+        port_s = time.monotonic() - t0
+        poller = threading.Thread(target=lambda: (wait_until(
+            proc, url + "/ready", args.start_timeout, "bench.load start"),
+            ready.append(time.monotonic() - t0)), daemon=True)
+        poller.start()
+        r = httpx.post(url + "/v1/chat/completions", timeout=args.start_timeout, json={
+            "model": args.model, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        r.raise_for_status()
+        first = time.monotonic() - t0
+        poller.join(args.start_timeout)
+        deadline = t0 + args.start_timeout
+        while not any("step programs ready" in ln for ln in lines):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("bench.load start: no 'all N step programs ready' line")
+            time.sleep(0.1)
+        every = time.monotonic() - t0
+    except (SystemExit, httpx.HTTPError):
+        print("".join(lines[-10:]), file=sys.stderr)
+        raise
+    finally:
+        stop_server(proc)
+        reader.join(5)
+    own = next((ln.strip() for ln in lines if "ready in" in ln), "-")
+    return kind, port_s, ready[0] if ready else math.nan, first, every, own
 
 
 def _drain(proc: subprocess.Popen, lines: list[str]):

@@ -1,4 +1,8 @@
-"""The `ee-jax` command line."""
+"""The `ee-jax` command line.
+
+Building the parser imports no JAX (`ee-jax --help` answers at once): each subcommand imports
+its layer when it runs, and the package namespaces import on first use (`ee_jax.lazy`).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,6 @@ from pathlib import Path
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
-from ee_jax.serving.compilation import (
-    compilation_cache_from_env,
-    enable_compilation_cache,
-    program_cache_dir,
-    quiet_libtpu,
-)
 
 
 def _read_prompts(args) -> list[dict]:
@@ -196,6 +194,8 @@ def _follower(llm) -> bool:
 
 
 def _precompile(args, llm) -> None:
+    from ee_jax.serving.compilation import program_cache_dir
+
     if args.precompile != "none":
         kinds = ("decode",) if args.precompile == "decode" else ("decode", "prefill")
         s = llm.engine.stats
@@ -230,32 +230,64 @@ def _load_model(args):
                       progress=not args.quiet, tokenizer=args.tokenizer)
 
 
+def _check_model(args) -> None:
+    """What can be checked of --model, --quantize and --exit-heads without loading anything:
+    `serve` checks it before it listens, so a mistyped name ends the command at once instead
+    of failing behind an open port."""
+    from ee_jax.models import quant, registry
+
+    quant.check_quantize(args.quantize)
+    if args.model != "random":
+        registry.resolve_model(args.model)
+    if args.exit_heads and not Path(args.exit_heads).is_dir():
+        raise FileNotFoundError(f"--exit-heads {args.exit_heads}: no such folder")
+
+
 def _serve(args) -> int:
+    """Listen at once, then load, build and warm up the engine behind the open port: /health
+    says how far it got, /ready answers 200 once it serves (`serving.server.startup`)."""
+    from ee_jax.serving import distributed
+    from ee_jax.serving.compilation import program_cache_dir
     from ee_jax.serving.llm import LLM
-    from ee_jax.serving.server import ServerConfig, serve
+    from ee_jax.serving.server import ServerConfig, Startup, listen, serve
 
     config = ServerConfig(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level)
+        max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level,
+        startup_wait=args.startup_wait)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"ee-jax: warning: serving on {args.host} without --api-key: anyone who can "
               f"reach this port can use the model", file=sys.stderr)
+    _check_model(args)
     _join_processes(args)
-    model = _load_model(args)
-    llm = LLM(model, **_llm_kwargs(args, model))
-    if _follower(llm):  # another process serves HTTP; this one runs its steps
+    if distributed.is_multiprocess() and not distributed.is_leader():
+        model = _load_model(args)  # another process serves HTTP; this one runs its steps
+        LLM(model, **_llm_kwargs(args, model)).engine.follow()
         return 0
-    _precompile(args, llm)
-    ec = llm.engine.exit_config
-    print(f"ee-jax: serving {config.model_name!r} on http://{config.host}:{config.port}/v1 "
-          f"({'early exit: ' + ec.policy + f', threshold {ec.threshold}' if ec else 'full depth'}"
-          f"); Ctrl-C stops", file=sys.stderr)
+
+    def build():
+        model = _load_model(args)
+        return LLM(model, **_llm_kwargs(args, model)).engine
+
+    def announce(engine) -> None:
+        ec = engine.exit_config
+        depth = f"early exit: {ec.policy}, threshold {ec.threshold}" if ec else "full depth"
+        print(f"ee-jax: serving {config.model_name!r} on http://{config.host}:{config.port}/v1 "
+              f"({depth}); Ctrl-C stops", file=sys.stderr)
+
+    kinds = {"none": (), "decode": ("decode",), "all": ("decode", "prefill")}[args.precompile]
+    startup = Startup(build, precompile=kinds, program_cache=program_cache_dir(),
+                      log=not args.quiet, on_ready=announce)
+    sock = listen(config.host, config.port)
+    print(f"ee-jax: listening on http://{config.host}:{config.port} while the model loads "
+          f"(/health says how far; /ready answers 200 once it serves)", file=sys.stderr)
     try:
-        serve(llm.engine, config)
+        serve(startup, config, sock)
     finally:
-        llm.engine.stop_followers()
-    return 0
+        if startup.engine is not None:
+            startup.engine.stop_followers()
+    return 1 if startup.state == "failed" else 0  # (its error was printed when it failed)
 
 
 def _exit_kwargs(args, model) -> dict:
@@ -580,7 +612,8 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "(default on; --no-mixed-steps: decode rows wait for separate steps)")
     d.add_argument("--precompile", choices=["none", "decode", "all"], default="none",
                    help="compile every step shape the engine can meet before serving "
-                   "(serve: default all; programs come from the persistent compilation "
+                   "(serve: default all, the smallest batch bucket's before it serves and the "
+                   "others while it is idle; programs come from the persistent compilation "
                    "cache, $EE_JAX_COMPILATION_CACHE or ~/.cache/ee-jax/xla, once compiled)")
     d.add_argument("--coordinator", default=None, help="several hosts: the coordinator's "
                    "host:port (or EE_JAX_COORDINATOR); run the same command on every host")
@@ -645,12 +678,18 @@ def _add_serve_parser(sub) -> None:
                    help="larger request bodies get 413 (default 1 MiB)")
     v.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts get 400 (default max_model_len - 1)")
+    v.add_argument("--startup-wait", type=float, default=120.0, metavar="SECONDS",
+                   help="the server listens at once and loads the model behind the port: a "
+                   "request that comes meanwhile waits this long for it, then gets 503 with "
+                   "Retry-After (default 120; 0: at once)")
     v.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--quiet", action="store_true", help="no loading progress")
     _add_engine_args(v)
     v.add_argument("--no-precompile", dest="precompile", action="store_const", const="none",
-                   help="start serving at once; each step shape compiles when first met")
+                   help="serve once the model is loaded; each step shape compiles when first "
+                   "met (default: the smallest batch bucket's programs before serving, the "
+                   "others while the engine is idle)")
     v.set_defaults(func=_serve, precompile="all")
 
 
@@ -748,6 +787,12 @@ def main(argv: list[str] | None = None) -> int:
     """Every mistake ends in one line on stderr and exit status 2 (argparse's own usage
     errors too); a traceback means a bug in ee-jax."""
     args = build_parser().parse_args(argv)
+    from ee_jax.serving.compilation import (  # JAX: only once a command runs
+        compilation_cache_from_env,
+        enable_compilation_cache,
+        quiet_libtpu,
+    )
+
     # libtpu installed (the tpu-aot extra) on a host without a TPU: JAX's start-up probes it
     # and it would warn about host bounds and worker hostnames (`compilation.quiet_libtpu`).
     quiet_libtpu()

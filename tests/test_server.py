@@ -199,7 +199,10 @@ def test_stop_string_cut_like_generate(served, stream):
 
 def test_models_and_health(served):
     assert [m.id for m in served.client.models.list().data] == [MODEL]
-    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(served.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    ready = httpx.get(served.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["phase"] == "serving"
 
 
 def test_exit_threshold_per_request_and_usage(served):
@@ -434,7 +437,8 @@ def test_cli_mistakes_end_in_one_line(argv, words, capsys):
 
 @pytest.mark.slow
 def test_ee_jax_serve_command(tmp_path):
-    """`ee-jax serve` in its own process: serves, refuses a wrong key, stops on Ctrl-C."""
+    """`ee-jax serve` in its own process: answers /health at once (starting or ok), serves
+    once /ready says so, refuses a wrong key, stops on Ctrl-C."""
     port = free_port()
     cmd = [sys.executable, "-m", "ee_jax.cli", "serve", "--model", "random", "--port",
            str(port), "--api-key", KEY, "--max-model-len", "256", "--num-pages", "64",
@@ -445,13 +449,17 @@ def test_ee_jax_serve_command(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
+        first_health = None
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                first_health = first_health or httpx.get(url + "/health", timeout=2)
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
+        assert first_health.status_code == 200
+        assert first_health.json()["status"] in ("starting", "ok")
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         r = client.completions.create(model="random", prompt="hi", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")

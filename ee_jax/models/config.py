@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
-import jax.numpy as jnp
+from typing import Any, Literal
 
 from ee_jax.errors import EEJaxError
 
@@ -132,7 +130,12 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def jnp_dtype(self):
+    def jnp_dtype(self) -> Any:
+        """The parameters' dtype. JAX is imported here, not at the top: the CLI's parser reads
+        this module (through `exit_config`), and `ee-jax --help` should not wait ~0.4 s for
+        JAX (or for ml_dtypes, which bfloat16 needs); whoever asks has JAX loaded already."""
+        import jax.numpy as jnp
+
         return jnp.dtype(self.dtype)
 
     @property

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,7 +38,13 @@ from ee_jax.serving.compilation import (
 from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
 from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page, head_major_for
-from ee_jax.serving.model_runner import ModelRunner, StepBatch, layout_shape, unpack_results
+from ee_jax.serving.model_runner import (
+    ModelRunner,
+    StepBatch,
+    StepShape,
+    layout_shape,
+    unpack_results,
+)
 from ee_jax.serving.params import (
     InvalidRequestError,
     RequestMetrics,
@@ -605,44 +612,74 @@ class LLMEngine:
 
     # -- compiling ahead -------------------------------------------------------------------
 
-    def precompile(self, kinds: tuple[str, ...] = ("decode", "prefill"), *,
-                   progress: bool = True, program_cache: str | None = None) -> int:
-        """Compile every step shape the scheduler can produce (of these kinds; decode also
-        at full depth where the exit controller may pick it) now, so no request waits for a
-        compile mid-run; returns how many programs that is. XLA compiles
-        several at once, on the host's cores (`compilation.pipelined`). With
-        `program_cache` (a folder: `compilation.program_cache_dir()` is the one beside the
-        persistent cache), each program is loaded from there when an earlier run kept it,
-        with no tracing, and kept there when compiled: a restarted server is ready in
-        seconds. Not across processes of one engine (`distributed`): each compiles."""
+    def step_shapes(self, kinds: tuple[str, ...] = ("decode", "prefill")) -> list[StepShape]:
+        """Every step shape the scheduler can produce (of these kinds; decode also at full
+        depth where the exit controller may pick it), smallest batch first: the order a
+        warm-up compiles them in, so that what one short request meets (the smallest batch
+        bucket's prefill and decode steps) is ready first (`ee_jax.serving.server.startup`)."""
         shapes = self.scheduler.config.step_shapes(kinds)
         if self.controller is not None and self.controller.config.mode != "exits":
             # the full-depth decode programs the controller may run instead
             shapes += [dataclasses.replace(s, exits=False) for s in shapes
                        if s.kind == "decode"]
-        shapes = [s for s in shapes if s not in self.runner.traces]
+        return sorted(shapes, key=lambda s: (s.batch, s.kind != "prefill", s.tokens, s.pages,
+                                             not s.exits))
+
+    def is_compiled(self, shape: StepShape) -> bool:
+        """Whether a step of `shape` runs without compiling (any thread may ask)."""
+        return shape in self.runner.traces
+
+    def precompile(self, kinds: tuple[str, ...] = ("decode", "prefill"), *,
+                   shapes: list[StepShape] | None = None, progress: bool = True,
+                   program_cache: str | None = None,
+                   on_program: Callable[[int, int], None] | None = None) -> int:
+        """Compile every step shape the scheduler can produce (`step_shapes(kinds)`, or
+        `shapes`: a warm-up in parts) now, so no request waits for a compile mid-run;
+        returns how many programs that took (shapes compiled before are skipped). XLA
+        compiles several at once, on the host's cores (`compilation.pipelined`). With
+        `program_cache` (a folder: `compilation.program_cache_dir()` is the one beside the
+        persistent cache), each program is loaded from there when an earlier run kept it,
+        with no tracing, and kept there when compiled: a restarted server is ready in
+        seconds. `on_program(ready, total)` is called as each program is ready (a server's
+        /health reports it; an exception it raises stops the warm-up). Not across processes
+        of one engine (`distributed`): each compiles."""
+        shapes = [s for s in (self.step_shapes(kinds) if shapes is None else shapes)
+                  if not self.is_compiled(s)]
         store = ProgramCache(program_cache) if program_cache and \
             not distributed.is_multiprocess() else None
+        done = loaded = 0
+
+        def ready(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.update(n)
+            if on_program is not None and n:
+                on_program(done, len(shapes))
+
         t0 = time.perf_counter()
-        with tqdm(total=len(shapes), desc="compiling steps", unit="program", file=sys.stderr,
-                  disable=not progress, leave=False) as bar:
-            missing = shapes
-            if store is not None:
-                bar.set_description("loading steps")
-                missing = []
-                for shape, loaded in pipelined(
-                        shapes, lambda s: s, lambda s: (s, self.runner.load_program(s, store))):
-                    bar.update(loaded)
-                    missing += [] if loaded else [shape]
+        missing = shapes
+        try:
+            with tqdm(total=len(shapes), desc="compiling steps", unit="program",
+                      file=sys.stderr, disable=not progress, leave=False) as bar:
+                if store is not None:
+                    bar.set_description("loading steps")
+                    missing = []
+                    for shape, hit in pipelined(
+                            shapes, lambda s: s,
+                            lambda s: (s, self.runner.load_program(s, store))):
+                        missing += [] if hit else [shape]
+                        loaded += hit
+                        ready(int(hit))
+                        check_memory_maps(len(self.runner.traces))
+                    bar.set_description("compiling steps")
+                for _ in pipelined(missing, lambda s: (s, self.runner.lower(s)),
+                                   lambda sl: self.runner.keep_program(*sl, store)):
+                    ready(1)
                     check_memory_maps(len(self.runner.traces))
-                bar.set_description("compiling steps")
-            for _ in pipelined(missing, lambda s: (s, self.runner.lower(s)),
-                               lambda sl: self.runner.keep_program(*sl, store)):
-                bar.update()
-                check_memory_maps(len(self.runner.traces))
-        self.stats.compile_time += time.perf_counter() - t0
-        self.stats.num_compiles += len(missing)
-        self.stats.num_programs_loaded += len(shapes) - len(missing)
+        finally:
+            self.stats.compile_time += time.perf_counter() - t0
+            self.stats.num_compiles += done - loaded
+            self.stats.num_programs_loaded += loaded
         return len(shapes)
 
     # -- introspection -----------------------------------------------------------------

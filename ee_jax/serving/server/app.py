@@ -1,5 +1,12 @@
 """The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions over one engine loop.
 
+The app answers from the moment it listens, while the engine is still being built and warmed
+up (`startup.Startup`): /health says "starting" (with the phase), "ok" or "failed" (liveness:
+200 unless failed), /ready answers 200 only once requests are served (readiness). A request
+that comes while the server starts waits for the engine (up to `ServerConfig.startup_wait`
+seconds), as a client of a server that had not yet opened its port would have waited to
+connect; past that it gets 503 with Retry-After (OpenAI's clients retry those).
+
 Each HTTP request becomes one engine request per prompt and choice, submitted to the
 `EngineLoop`; its events come back through one asyncio queue. A request is answered only after
 the engine accepted it, so every refusal is a 4xx before any byte of a stream is sent. A
@@ -15,11 +22,12 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import math
 import sys
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +41,7 @@ from ee_jax.serving.server import protocol
 from ee_jax.serving.server.engine_loop import EngineLoop, Event, read_token_ids
 from ee_jax.serving.server.metrics import ServerMetrics
 from ee_jax.serving.server.protocol import ApiError, ChatBody, CompletionBody, Limits
+from ee_jax.serving.server.startup import Startup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +56,14 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
     max_pending: int = 4096  # engine requests in flight before new ones get 429
     log_level: str = "warning"
+    # How long a request that comes while the server starts waits for the engine (seconds)
+    # before it gets 503 with Retry-After; 0: at once.
+    startup_wait: float = 120.0
 
     def __post_init__(self):
+        if not 0 <= self.startup_wait < math.inf:
+            raise ValueError(f"startup_wait must be a finite number of seconds >= 0, got "
+                             f"{self.startup_wait}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
@@ -58,27 +73,25 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
 
-def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
-    if engine.tokenizer is None:
-        raise ValueError("the server needs a model with a tokenizer")
-    mcfg = engine.model_config
-    max_prompt = config.max_prompt_tokens or engine.config.max_model_len - 1
-    limits = Limits(max_model_len=engine.config.max_model_len,
-                    max_prompt_tokens=min(max_prompt, engine.config.max_model_len - 1),
-                    vocab_size=mcfg.vocab_size, has_exits=engine.exit_config is not None,
-                    verifies=engine.verify)
-    metrics = ServerMetrics(mcfg.n_layers, engine.blocks.num_pages)
-    loop = EngineLoop(engine, metrics)
-    state = _State(engine, loop, metrics, config, limits)
+def create_app(source: LLMEngine | Startup, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """An app serving `source`: an engine, or a `Startup` that builds and warms one up while
+    the app already answers. The startup (and then the engine thread) begins with the app's
+    lifespan and ends with it."""
+    startup = source if isinstance(source, Startup) else Startup(source)
+    if startup.engine is not None:
+        _check_engine(startup.engine)  # an engine given built: its mistakes raise here
+    state = _State(startup, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        loop.start()
+        aio = asyncio.get_running_loop()
+        state.done = asyncio.Event()
+        startup.add_done_callback(lambda: aio.call_soon_threadsafe(state.done.set))
+        startup.start(state.attach)
         try:
             yield
         finally:
-            await asyncio.to_thread(loop.shutdown)
+            await asyncio.to_thread(state.shutdown)
 
     app = FastAPI(title="ee-jax", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -87,12 +100,13 @@ def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> Fast
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         if exc.status < 500:
-            metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+            state.count_rejected(exc.status)
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        metrics.rejected.labels(str(exc.status_code)).inc()
+        state.count_rejected(exc.status_code)
         message = (f"no such endpoint: {request.method} {request.url.path}"
                    if exc.status_code in (404, 405) else str(exc.detail))
         return JSONResponse(ApiError(exc.status_code, message).body(),
@@ -106,20 +120,30 @@ def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> Fast
 
     @app.get("/health")
     async def health():
-        if not loop.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return {"status": "ok"}
+        """Liveness: 200 while starting or serving; 503 once failed or stopped."""
+        status = state.status()
+        return JSONResponse(status, status_code=200 if status["status"] in ("starting", "ok")
+                            else 503)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 only while requests are served."""
+        status = state.status()
+        return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        body = state.metrics.render() if state.metrics is not None else \
+            b"# ee-jax: starting; the metrics begin once the engine serves\n"
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.authorize(request)
+        await state.wait_ready()
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": state.created,
-            "owned_by": "ee-jax", "max_model_len": limits.max_model_len}]}
+            "owned_by": "ee-jax", "max_model_len": state.limits.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -130,6 +154,11 @@ def create_app(engine: LLMEngine, config: ServerConfig = ServerConfig()) -> Fast
         return await state.handle(request, chat=True)
 
     return app
+
+
+def _check_engine(engine: LLMEngine) -> None:
+    if engine.tokenizer is None:
+        raise ValueError("the server needs a model with a tokenizer")
 
 
 @dataclasses.dataclass
@@ -149,14 +178,88 @@ class _Choice:
 
 
 class _State:
-    def __init__(self, engine: LLMEngine, loop: EngineLoop, metrics: ServerMetrics,
-                 config: ServerConfig, limits: Limits):
-        self.engine, self.loop, self.metrics = engine, loop, metrics
-        self.config, self.limits = config, limits
-        self.tokenizer = engine.tokenizer
-        self.num_layers = engine.model_config.n_layers
+    """The app's state: the startup, then (once attached) the engine, its loop and metrics."""
+
+    def __init__(self, startup: Startup, config: ServerConfig):
+        self.startup, self.config = startup, config
         self.created = int(time.time())
         self.pending = 0
+        self.waiting = 0  # requests waiting for the engine to be ready
+        self.done: asyncio.Event | None = None  # set once the startup is over (lifespan)
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.metrics: ServerMetrics | None = None
+        self.limits: Limits | None = None
+
+    def attach(self, engine: LLMEngine, idle: Callable[[], bool] | None) -> None:
+        """Serve `engine` (the startup's thread calls this once it is built and warm)."""
+        _check_engine(engine)
+        mcfg, ecfg = engine.model_config, engine.config
+        max_prompt = self.config.max_prompt_tokens or ecfg.max_model_len - 1
+        self.limits = Limits(max_model_len=ecfg.max_model_len,
+                             max_prompt_tokens=min(max_prompt, ecfg.max_model_len - 1),
+                             vocab_size=mcfg.vocab_size, has_exits=engine.exit_config is not None,
+                             verifies=engine.verify)
+        self.tokenizer = engine.tokenizer
+        self.num_layers = mcfg.n_layers
+        self.metrics = ServerMetrics(mcfg.n_layers, engine.blocks.num_pages)
+
+        def idle_work() -> bool:
+            """The rest of the warm-up, after the requests that waited for the engine: they
+            are released as it becomes ready (their handlers submit with no await between),
+            and would otherwise wait behind the first programs compiled while idle."""
+            if self.waiting:
+                time.sleep(0.005)  # a few ms for the asyncio loop to hand them over
+                return True
+            return idle()
+
+        loop = EngineLoop(engine, self.metrics, idle_work if idle is not None else None)
+        loop.start()
+        self.engine, self.loop = engine, loop
+
+    def shutdown(self) -> None:
+        """Stop starting (if still), then the engine thread (open requests are aborted)."""
+        self.startup.cancel()
+        if self.loop is not None:
+            self.loop.shutdown()
+
+    def status(self) -> dict:
+        status = self.startup.status()
+        if status["status"] == "ok" and not self.loop.alive:
+            status["status"] = "engine stopped"
+        if self.waiting:
+            status["waiting_requests"] = self.waiting
+        return status
+
+    def count_rejected(self, status: int) -> None:
+        if self.metrics is not None:  # none before the engine serves
+            self.metrics.rejected.labels(str(status)).inc()
+
+    # -- checks ------------------------------------------------------------------------
+
+    async def wait_ready(self) -> None:
+        """Return once the engine serves: at once, or after waiting for the startup (up to
+        `startup_wait` seconds); else ApiError 503 (with Retry-After while it starts)."""
+        if self.startup.state == "starting":
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self.done.wait(), self.config.startup_wait)
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting -= 1
+        state = self.startup.state
+        if state == "starting":
+            phase = self.startup.status()["phase"]
+            raise ApiError(503, f"the server is starting ({phase}) and was not ready within "
+                           f"{self.config.startup_wait:g}s; retry later (GET /ready answers "
+                           f"200 once it serves)", code="starting", retry_after=10)
+        if state == "failed":
+            raise ApiError(503, f"the server failed to start: {self.startup.status()['error']}"
+                           f" (see /health and the server log)", code="startup_failed")
+        if not self.loop.alive:
+            raise ApiError(503, "the engine has stopped (the server is shutting down)",
+                           code="engine_stopped", type="server_error")
 
     # -- checks ------------------------------------------------------------------------
 
@@ -204,15 +307,14 @@ class _State:
     async def handle(self, request: Request, chat: bool):
         arrival = time.perf_counter()
         self.authorize(request)
-        if not self.loop.alive:
-            raise ApiError(503, "the engine has stopped (the server is shutting down)",
-                           code="engine_stopped", type="server_error")
+        # what needs no engine is checked first: a malformed request is refused at once
         body = protocol.parse(ChatBody if chat else CompletionBody,
                               await self.read_json(request))
         if body.model != self.config.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r} (see /v1/models)", "model",
                            code="model_not_found")
+        await self.wait_ready()
         if chat:
             try:
                 text = self.tokenizer.apply_chat_template(protocol.chat_messages(body),

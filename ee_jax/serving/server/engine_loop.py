@@ -3,7 +3,8 @@
 `LLMEngine` is not thread-safe, so only this thread touches it. Callers `submit` and `abort`
 (thread-safe: they only enqueue) and receive `Event`s through the sink they gave, called from
 the engine thread (an asyncio handler's sink hops onto its event loop). Between steps the
-thread drains the inbox; while nothing is in flight it sleeps on the inbox.
+thread drains the inbox; while nothing is in flight it does its idle work (the rest of a
+server's warm-up, `startup.Startup.compile_more`) a piece at a time, then sleeps on the inbox.
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ class _Live:
 
 
 class EngineLoop:
-    """Steps `engine` in a daemon thread until `shutdown`."""
+    """Steps `engine` in a daemon thread until `shutdown`. idle: work for the engine thread
+    while no request is in flight, in short pieces (a request that comes waits for one):
+    called again while it returns True."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 idle: Callable[[], bool] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self._idle = idle
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._stop = threading.Event()
@@ -103,14 +108,28 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished_requests())
+            self._drain(block=self._idle is None and not self.engine.has_unfinished_requests())
             if self._stop.is_set():
                 break
             if self.engine.has_unfinished_requests():
                 self._step()
+            elif self._idle is not None:
+                self._idle_work()
         self._drain(block=False)
         for rid in list(self._live):
             self._abort(rid)
+
+    def _idle_work(self) -> None:
+        try:
+            more = self._idle()
+        except Exception:  # the idle work's own failure: no more of it, serving goes on
+            traceback.print_exc(file=sys.stderr)
+            more = False
+        if not more:
+            self._idle = None
+        # Programs compiled ahead are no step's compile: the compile counters skip them.
+        s = self.engine.stats
+        self._compiles, self._compile_time = s.num_compiles, s.compile_time
 
     def _drain(self, block: bool) -> None:
         try:

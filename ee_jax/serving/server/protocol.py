@@ -21,9 +21,11 @@ class ApiError(Exception):
     """An HTTP error with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header
         self.type = type or ("authentication_error" if status == 401 else
                              "server_error" if status >= 500 else "invalid_request_error")
 

@@ -1,8 +1,11 @@
 """Running the app: in the foreground (`ee-jax serve`) or in a background thread (tests,
-notebooks)."""
+notebooks). Either listens before the engine is ready: the socket is bound first (a port in
+use is an OSError at once, not after minutes of loading), then the app answers /health while
+its `Startup` builds and warms up the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -12,15 +15,29 @@ import uvicorn
 
 from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.server.app import ServerConfig, create_app
+from ee_jax.serving.server.startup import Startup
 
 
-def serve(engine: LLMEngine, config: ServerConfig | None = None) -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening (port 0: a free one; read it back with
+    `getsockname`). Raises OSError (address in use, no such address) before anything slow."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def serve(source: LLMEngine | Startup, config: ServerConfig | None = None,
+          sock: socket.socket | None = None) -> None:
     """Serve until interrupted (Ctrl-C): uvicorn lets open streams finish for up to 30 s,
-    then the engine thread aborts what is left."""
+    then the engine thread aborts what is left. `sock`: already listening (`listen`), else
+    bound here."""
     config = config or ServerConfig()
-    app = create_app(engine, config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=30)
+    sock = sock or listen(config.host, config.port)
+    app = create_app(source, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level,
+                                           timeout_graceful_shutdown=30))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        server.run(sockets=[sock])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,19 +51,28 @@ class BackgroundServer:
 
         with BackgroundServer(llm.engine) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+    `start` returns once the server listens; with a `Startup` (an engine still being built)
+    that is before it serves: `server.startup.wait()` waits for that.
     """
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None):
+    def __init__(self, source: LLMEngine | Startup, config: ServerConfig | None = None):
         config = config or ServerConfig(port=0)
+        self._sock = listen(config.host, config.port)
         if config.port == 0:
-            config = dataclasses.replace(config, port=free_port(config.host))
+            config = dataclasses.replace(config, port=self._sock.getsockname()[1])
         self.config = config
-        self.app = create_app(engine, config)
+        self.startup = source if isinstance(source, Startup) else Startup(source)
+        try:
+            self.app = create_app(self.startup, config)
+        except BaseException:
+            self._sock.close()
+            raise
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=10))
-        self._thread = threading.Thread(target=self._server.run, name="ee-jax-server",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="ee-jax-server", daemon=True)
 
     @property
     def url(self) -> str:
@@ -64,6 +90,7 @@ class BackgroundServer:
     def stop(self, timeout: float = 30.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout)
+        self._sock.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
