@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from bench.roofline import CUDA_COUNT_OPTIONS, PAGE, _place, full_step_fn, pieces, step_args
 from ee_jax.models import llama
-from ee_jax.serving import aot, attention_kernels
+from ee_jax.serving import aot
 from ee_jax.serving.paged_model import attend, paged_layer
 
 
@@ -73,9 +73,8 @@ OPTION_ROWS = {  # the engine's program (stacked, fori_loop) under these XLA GPU
 
 def compiled(fn, args, donate: int, options: dict | None = None):
     target = aot.parse_target("cuda:h100")
-    with attention_kernels.target_platform("cuda"):
-        return jax.jit(fn, donate_argnums=(donate,)).lower(*_place(args, target)).compile(
-            compiler_options={**CUDA_COUNT_OPTIONS, **(options or {})})
+    return jax.jit(fn, donate_argnums=(donate,)).lower(*_place(args, target)).compile(
+        compiler_options={**CUDA_COUNT_OPTIONS, **(options or {})})
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,7 @@ def big_ops(hlo: str, min_elements: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from ee_jax.serving import aot, attention_kernels
+    from ee_jax.serving import aot
     from ee_jax.serving.engine import EngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -63,8 +63,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             runner = plan.runner(e)
             pool = math.prod(runner.cache.k.shape)
-            with attention_kernels.target_platform(target.platform):
-                compiled = runner.lower(shape).compile()
+            compiled = runner.lower(shape).compile()
             _, nbytes = aot.cost_of(compiled)
             mem = compiled.memory_analysis()
             copies = big_ops(compiled.as_text(), pool // 4)

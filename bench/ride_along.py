@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     tokens = jnp.asarray([[42]], jnp.int32)
     thresholds = jnp.ones((B,), jnp.float32)  # every check runs, none fires
     h = jnp.asarray(np.random.default_rng(0).normal(size=(B, cfg.d_model)), cfg.jnp_dtype)
+    platform = jax.default_backend()  # the steps are for this host's devices
 
     def program(policy, pending_layer):
         def f(cache):
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
                 Pending.none(B, cfg), h=h[:, None],
                 layer=jnp.full((B, 1), pending_layer, jnp.int32))
             r, cache = model_step(params, heads, cache, tokens, meta, thresholds, cfg, policy,
-                                  attention="auto", pending=pending)
+                                  attention="auto", pending=pending, platform=platform)
             return r.logits, cache
         return jax.jit(f, donate_argnums=0)
 
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                 token=jnp.where(live, 7, -1)[None].astype(jnp.int32),
                 exit=jnp.where(live, args.verify_at, cfg.n_layers)[None].astype(jnp.int32))
             r, cache = model_step(params, heads, cache, tokens, meta, thresholds, cfg, verify,
-                                  attention="auto", pending=pending)
+                                  attention="auto", pending=pending, platform=platform)
             return r.run_logits[:, -1], cache
         return jax.jit(f, donate_argnums=0)
     variants = {"full depth": program(FullDepth(), None),

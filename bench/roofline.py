@@ -147,26 +147,24 @@ def compile_for(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
     in the entry layouts XLA picks, the others as placed, the outputs in `out` (formats: a
     donated cache must come back in its own) (`layouts.lower`)."""
     opts = COUNT_OPTIONS.get(target.platform, {})
-    with attention_kernels.target_platform(target.platform):
-        placed = _place(args, target)
-        if target.platform == "tpu":
-            lowered = layouts.lower(fn, placed, auto, donate_argnums=donate, out_shardings=out)
-        else:
-            lowered = jax.jit(fn, donate_argnums=donate).lower(*placed)
-        return lowered.compile(compiler_options=opts)
+    placed = _place(args, target)
+    if target.platform == "tpu":
+        lowered = layouts.lower(fn, placed, auto, donate_argnums=donate, out_shardings=out)
+    else:
+        lowered = jax.jit(fn, donate_argnums=donate).lower(*placed)
+    return lowered.compile(compiler_options=opts)
 
 
 def cost_and_copies(fn, args, target: aot.Target, donate: tuple[int, ...] = (),
                     auto: tuple[int, ...] = (), out=None) -> tuple[Cost, float]:
     """(XLA's counts, the bytes of its relayout copies; 0 where only lowered)."""
     jitted = jax.jit(fn, donate_argnums=donate)
-    with attention_kernels.target_platform(target.platform):
-        if target.compiles:
-            compiled = compile_for(fn, args, target, donate, auto, out)
-            flops, nbytes = aot.cost_of(compiled)
-            return Cost(flops, nbytes), copy_bytes(compiled.as_text())
-        ca = jitted.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
-        return Cost(float(ca["flops"]), float(ca["bytes accessed"])), 0.0
+    if target.compiles:
+        compiled = compile_for(fn, args, target, donate, auto, out)
+        flops, nbytes = aot.cost_of(compiled)
+        return Cost(flops, nbytes), copy_bytes(compiled.as_text())
+    ca = jitted.trace(*args).lower(lowering_platforms=("cuda",)).cost_analysis()
+    return Cost(float(ca["flops"]), float(ca["bytes accessed"])), 0.0
 
 
 def sds(shape, dtype):
@@ -300,11 +298,10 @@ def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
 
     def picked(c):
         opts = TPU_COUNT_OPTIONS
-        with attention_kernels.target_platform(target.platform):
-            args = step_args(c, B, W, kv_dtype, target.platform)
-            return layouts.pick(full_step_fn(c), _place(args, target),
-                                (0, 1), donate_argnums=(1,), returned={1: 1},
-                                compile=lambda lo: lo.compile(compiler_options=opts))
+        args = step_args(c, B, W, kv_dtype, target.platform)
+        return layouts.pick(full_step_fn(c), _place(args, target),
+                            (0, 1), donate_argnums=(1,), returned={1: 1},
+                            compile=lambda lo: lo.compile(compiler_options=opts))
 
     try:
         return picked(cfg)
@@ -428,9 +425,8 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
 
         if target.platform == "tpu":
             opts = TPU_COUNT_OPTIONS
-            with attention_kernels.target_platform(target.platform):
-                fh, = layouts.pick(both, _place((params, heads, h, state), target), (1,),
-                                   compile=lambda lo: lo.compile(compiler_options=opts))
+            fh, = layouts.pick(both, _place((params, heads, h, state), target), (1,),
+                               compile=lambda lo: lo.compile(compiler_options=opts))
             heads = layouts.place(heads, fh)
         first, first_copies = cost_and_copies(check_fn(True), (params, heads, h, state),
                                               target)

@@ -287,9 +287,15 @@ def test_select_backend_by_platform():
     assert ak.select_backend("auto", "cpu") is ak.xla
     assert ak.select_backend("auto", "gpu") is ak.pallas_gpu
     assert ak.select_backend("auto", "tpu") is ak.pallas_tpu
-    assert ak.select_backend() is ak.select_backend("auto", jax.default_backend())
     assert ak.select_backend("xla", "tpu") is ak.xla
     assert ak.select_backend("pallas_gpu", "cuda") is ak.pallas_gpu
+    # a concrete name needs no platform (a step's, resolved when its config was built);
+    # "auto" does: nothing defaults to the platform this process runs on
+    assert ak.select_backend("xla") is ak.xla
+    assert ak.select_backend("pallas_tpu") is ak.pallas_tpu
+    assert ak.backend_name("auto", "TPU") == "pallas_tpu"
+    with pytest.raises(ValueError, match=r"'auto' names no backend without a platform"):
+        ak.select_backend("auto")
 
 
 def test_select_backend_refuses_clearly():

@@ -12,8 +12,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from ee_jax.models.backfill_maps import TPU_GATHER_MAX_ROWS
 from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.kv_cache import allocate_cache
+from ee_jax.serving.model_runner import (
+    ModelRunner,
+    StepConfig,
+    StepProgram,
+    StepShape,
+    step_program,
+)
 from ee_jax.serving.params import greedy
 from ee_jax.testing import tiny_model
 
@@ -120,6 +130,64 @@ def test_engines_of_one_config_share_their_step_programs():
     assert second.runner.program.traces == traced and second.runner.num_traces == 0
     assert set(second.runner.traces) == set(first.runner.traces)
     assert second.stats.num_compiles == 0
+    # "auto" is resolved where the config is built: on this CPU it is "xla", the same step
+    assert first.runner.program.config.attention == "xla"
+    same = LLMEngine(CFG, PARAMS, None, dataclasses.replace(config, attention="xla"))
+    assert same.runner.program is first.runner.program
     # A different static config (attention backend) is a program of its own.
-    other = LLMEngine(CFG, PARAMS, None, dataclasses.replace(config, attention="xla"))
+    other = LLMEngine(CFG, PARAMS, None, dataclasses.replace(config, attention="reference"))
     assert other.runner.program is not first.runner.program
+
+
+def test_the_platform_and_the_backend_are_in_the_step_programs_key():
+    """What a trace depends on is in its StepConfig: a config of another platform is another
+    program, and the backend is a concrete name, valid on that platform."""
+    cpu = StepConfig(CFG, None, "xla", "cpu", None)
+    assert step_program(cpu) is step_program(StepConfig(CFG, None, "xla", "cpu", None))
+    tpu = dataclasses.replace(cpu, platform="tpu")
+    assert step_program(tpu) is not step_program(cpu)
+    assert step_program(dataclasses.replace(cpu, attention="reference")) is not \
+        step_program(cpu)
+    with pytest.raises(ValueError, match=r"StepConfig\.attention is a concrete backend"):
+        dataclasses.replace(cpu, attention="auto")
+    with pytest.raises(ValueError, match=r"'pallas_tpu' needs a TPU.*'cpu'"):
+        dataclasses.replace(cpu, attention="pallas_tpu")
+    with pytest.raises(ValueError, match=r"StepConfig\.platform"):
+        dataclasses.replace(cpu, platform="TPU")
+    runner = ModelRunner(CFG, PARAMS, allocate_cache(CFG, 9, 8), attention="auto",
+                         max_batch=2, platform="tpu")  # built for a TPU from this CPU host
+    assert (runner.program.config.attention, runner.program.config.platform) == \
+        ("pallas_tpu", "tpu")
+
+
+def test_tracing_reads_no_ambient_platform(monkeypatch):
+    """A step traced while JAX says it runs elsewhere is the same program: the platform and
+    the backend come from the StepConfig, never from the process. The case is one where the
+    platform decides the program (learned back-fill maps at 8 rows: gathered per row on CPU,
+    every slot then a pick on TPU, `backfill_maps.gathers`), so a read would show."""
+    from ee_jax.models import exit_heads
+    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.testing import random_backfill_maps
+
+    ec = ExitConfig(exit_layers=(1, 2), backfill="learned", policy="all")
+    heads = dict(exit_heads.init_heads(CFG, ec, PARAMS),
+                 backfill=random_backfill_maps(CFG, ec.exit_layers))
+    runner = ModelRunner(CFG, PARAMS, allocate_cache(CFG, 17, 8), ec, heads,
+                         attention="auto", max_batch=8)
+    shape = StepShape(8, 1, 2)
+    assert shape.batch > TPU_GATHER_MAX_ROWS
+
+    def lowered(config: StepConfig) -> str:  # a fresh trace (not the shared program's)
+        buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
+        return StepProgram(config).jitted.lower(
+            shape, runner.params, runner.exit_heads, runner.cache, buf, runner.last_tokens,
+            runner.pending).as_text()
+
+    config = runner.program.config
+    assert (config.attention, config.platform) == ("xla", "cpu")
+    here = lowered(config)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert lowered(config) == here
+    monkeypatch.undo()
+    # the same step configured for a TPU is another program: the platform does matter
+    assert lowered(dataclasses.replace(config, platform="tpu")) != here

@@ -92,8 +92,7 @@ def test_every_step_program_compiles_for_tpu():
         assert r.flops > 0 and r.bytes_accessed > 0 and r.temp_bytes is not None
     # the kernel is in the program where it applies (decode), and not with xla
     runner = plan.runner(None)
-    with attention_kernels.target_platform("tpu"):
-        text = runner.lower(plan.shapes[0]).as_text()
+    text = runner.lower(plan.shapes[0]).as_text()  # the runner's StepConfig: platform "tpu"
     assert "tpu_custom_call" in text
 
 
@@ -158,8 +157,7 @@ def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
     assert runner.cache.k.shape[-1] == 128
     row = aot.build(runner, plan.shapes[0], plan.target, "full")
     assert row.error is None, row.error
-    with attention_kernels.target_platform("tpu"):
-        assert "tpu_custom_call" in runner.lower(plan.shapes[0]).as_text()
+    assert "tpu_custom_call" in runner.lower(plan.shapes[0]).as_text()
     sds = jax.ShapeDtypeStruct
     narrow = KVCache(*(sds((1, 9, 16, 3, 64), jnp.bfloat16) for _ in range(2)))
     meta = AttentionMetadata(sds((2, 1), jnp.int32), sds((2, 4), jnp.int32),
@@ -173,10 +171,9 @@ def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
     for T, kernel in ((2, True), (attention_kernels.KERNEL_MAX_QUERIES + 1, False)):
         m = AttentionMetadata(sds((2, T), jnp.int32), sds((2, 4), jnp.int32),
                               sds((2,), jnp.int32))
-        with attention_kernels.target_platform("tpu"):
-            text = jax.jit(lambda q, c, m: attention_kernels.pallas_tpu(q, c, 0, m)).trace(
-                sds((2, T, 9, 128), jnp.bfloat16), wide, m).lower(
-                lowering_platforms=("tpu",)).as_text()
+        text = jax.jit(lambda q, c, m: attention_kernels.pallas_tpu(q, c, 0, m)).trace(
+            sds((2, T, 9, 128), jnp.bfloat16), wide, m).lower(
+            lowering_platforms=("tpu",)).as_text()
         assert ("tpu_custom_call" in text) == kernel, T
 
 
@@ -481,8 +478,7 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
     decode = sorted(plan.shapes, key=lambda s: (s.batch, s.pages))
 
     def big_copies(r, shape, exits):
-        with attention_kernels.target_platform("tpu"):
-            return _big_copies(r.lower(dataclasses.replace(shape, exits=exits)).compile())
+        return _big_copies(r.lower(dataclasses.replace(shape, exits=exits)).compile())
 
     # the default on TPU (pallas_tpu): the smallest step with checks, the largest without
     # (the other two corners add ~14 s of libtpu and no layout of their own: the checks

@@ -93,7 +93,7 @@ def test_the_tpu_kernel_runs_on_a_padded_cache_where_the_narrow_one_falls_back(m
     xla = attention_kernels.xla
     monkeypatch.setattr(attention_kernels, "xla",
                         lambda q, *a, **kw: fallbacks.append(q.shape[-1]) or xla(q, *a, **kw))
-    with attention_kernels.target_platform("tpu"), pltpu.force_tpu_interpret_mode():
+    with pltpu.force_tpu_interpret_mode():
         got_narrow = attend(q, k, v, narrow, 0, meta, CFG, "pallas_tpu")[0]
         assert fallbacks == [CFG.head_dim]
         got = attend(q, k, v, wide, 0, meta, CFG, "pallas_tpu")[0]

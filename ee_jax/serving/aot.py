@@ -505,9 +505,9 @@ class Plan:
         if spec.size > 1:
             spec.validate_for(cfg)
         name = attention or config.attention
-        if name == "auto":
-            name = "reference" if spec.size > 1 else \
-                {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(target.platform, "xla")
+        if name == "auto" and spec.size > 1:
+            name = "reference"
+        name = attention_kernels.backend_name(name, target.platform)  # on the target
         sched = config.scheduler_config(name, target.platform)
         kv_dtype = config.kv_dtype or cfg.dtype
         platform = "gpu" if target.platform == "cuda" else target.platform
@@ -583,11 +583,10 @@ def _lower(runner: ModelRunner, shape: StepShape, target: Target):
     (exported for CUDA, which ends there)."""
     t0 = time.perf_counter()
     try:
-        with attention_kernels.target_platform(target.platform):
-            if target.compiles:
-                return runner.lower(shape), time.perf_counter() - t0, None
-            export_cuda(runner, shape)
-            return None, time.perf_counter() - t0, None
+        if target.compiles:
+            return runner.lower(shape), time.perf_counter() - t0, None
+        export_cuda(runner, shape)
+        return None, time.perf_counter() - t0, None
     except Exception as e:  # reported per program, with its message
         return None, time.perf_counter() - t0, _message(e)
 
@@ -603,8 +602,7 @@ def _finish(variant: str, shape: StepShape, target: Target, lowered, seconds: fl
         return Row(variant, shape, seconds, error=error)
     t0 = time.perf_counter()
     try:
-        with attention_kernels.target_platform(target.platform):
-            compiled = lowered.compile()
+        compiled = lowered.compile()
     except Exception as e:
         return Row(variant, shape, seconds + time.perf_counter() - t0, error=_message(e))
     row = Row(variant, shape, seconds + time.perf_counter() - t0)
@@ -630,18 +628,22 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 def export_cuda(runner: ModelRunner, shape: StepShape):
     """The step of `shape` exported for CUDA (`jax.export.Exported`): traced and lowered with
-    CUDA's lowering rules (the Pallas GPU kernel included), not compiled."""
+    CUDA's lowering rules (the Pallas GPU kernel included), not compiled. `runner` is one
+    built for the GPU (`Plan.runner` of a CUDA target): its step's backend and platform are
+    its static config's, so this only lowers what it traces."""
     from jax import export
+
+    if runner.program.config.platform not in ("gpu", "cuda"):
+        raise ValueError(f"export_cuda needs a runner built for the GPU (platform='gpu'), "
+                         f"got one built for {runner.program.config.platform!r}")
 
     buf = jax.ShapeDtypeStruct((shape.size,), jnp.int32)
     args = [runner.params, runner.exit_heads, runner.cache, buf, runner.last_tokens,
             runner.pending]
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    with attention_kernels.target_platform("cuda"):
-        return export.export(
-            runner._step, platforms=("cuda",),
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-                shape, *args)
+    return export.export(
+        runner._step, platforms=("cuda",),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(shape, *args)
 
 
 # --------------------------------------------------------------------------- memory

@@ -21,13 +21,14 @@ sees no key (padding rows, kv_lens == 0) gives zeros. `layer` may be a traced in
   the kernel as that many rows, each with its own length, reading the row's pages once per
   query; more (prefill blocks) or a window fall back to `xla`.
 
-`select_backend(name, platform)` picks one; "auto" picks by platform.
+`select_backend(name, platform)` picks one; "auto" picks by platform, which is always given:
+a step's configuration holds the platform it is built for and the backend resolved there
+(`model_runner.StepConfig`), so tracing reads no state of the process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -368,59 +369,47 @@ _AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "palla
          "tpu": "pallas_tpu"}
 
 
-# The platform programs are being built for, when it is not this host's (`target_platform`).
-_TARGET = contextvars.ContextVar("ee_jax_target_platform", default=None)
-
-
-def follows_lengths(name: str = "auto", platform: str | None = None) -> bool:
-    """Whether backend `name`'s decode attention costs what the rows' lengths ask, whatever
-    the page table's width: `xla`'s loop stops at the longest row, so the scheduler gives
-    decode steps one width (`SchedulerConfig.decode_page_ladder` off: SmolLM2's default
-    server compiles 6 decode programs, not 66). The reference gathers all W pages; the
-    Pallas kernels stay on the ladder until timed on their devices."""
-    return select_backend(name, platform) is xla
-
-
-@contextlib.contextmanager
-def target_platform(platform: str):
-    """Within: backends are picked for `platform` ("tpu", "cuda", "cpu"), not for JAX's
-    default backend (compiling ahead of time for another machine: `ee_jax.serving.aot`)."""
-    token = _TARGET.set(platform)
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
-
-
-def current_platform() -> str:
-    """The platform programs are being built for: the `target_platform`, else JAX's default
-    backend ("cpu", "tpu", "gpu")."""
-    return (_TARGET.get() or jax.default_backend()).lower()
-
-
-def backend_name(name: str = "auto", platform: str | None = None) -> str:
-    """The name of the backend `select_backend` picks."""
+def backend_name(name: str, platform: str | None = None) -> str:
+    """The backend `name` means on `platform` ("tpu", "gpu"/"cuda", "cpu"): "auto" picks
+    pallas_tpu on TPU, pallas_gpu on GPU and xla elsewhere; a Pallas kernel named for a
+    platform it cannot run on is refused. "auto" needs the platform: nothing here defaults to
+    where this process runs, since a step may be built for another machine (`aot`). Resolved
+    once, where a step's static configuration is built (`model_runner.StepConfig.attention`),
+    so a traced step only ever sees a concrete name."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: choose one of "
                          f"{['auto', *BACKENDS]}")
-    platform = platform.lower() if platform else current_platform()
-    return _AUTO.get(platform, "xla") if name == "auto" else name
-
-
-def select_backend(name: str = "auto", platform: str | None = None) -> Backend:
-    """The backend called `name`; "auto" picks pallas_tpu on TPU, pallas_gpu on GPU and xla
-    elsewhere. `platform` defaults to the `target_platform`, else JAX's default backend."""
-    platform = platform.lower() if platform else current_platform()
-    name = backend_name(name, platform)
+    if platform is None:
+        if name == "auto":
+            raise ValueError("attention backend 'auto' names no backend without a platform: "
+                             "resolve it where the step is configured, with "
+                             "attention_kernels.backend_name(name, platform)")
+        return name
+    platform = platform.lower()
+    name = _AUTO.get(platform, "xla") if name == "auto" else name
     kernel_platform = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",)}
     if name in kernel_platform and platform not in kernel_platform[name]:
         raise ValueError(
             f"attention backend {name!r} needs a {kernel_platform[name][0].upper()}, but the "
             f"platform is {platform!r}: use 'xla' (or 'auto') here; tests can run the kernel "
             f"interpreted with functools.partial(attention_kernels.{name}, interpret=True)")
-    return BACKENDS[name]
+    return name
 
 
-__all__ = ["BACKENDS", "Backend", "backend_name", "current_platform", "follows_lengths",
-           "layer_pages", "pallas_gpu", "pallas_tpu", "reference", "select_backend",
-           "target_platform", "tpu_kernel_fits", "xla"]
+def select_backend(name: str, platform: str | None = None) -> Backend:
+    """The backend called `name` (`backend_name`: "auto" and the kernels' platforms are
+    resolved on `platform`; a concrete name needs none, as a step's resolved one)."""
+    return BACKENDS[backend_name(name, platform)]
+
+
+def follows_lengths(name: str, platform: str | None = None) -> bool:
+    """Whether backend `name`'s decode attention costs what the rows' lengths ask, whatever
+    the page table's width: `xla`'s loop stops at the longest row, so the scheduler gives
+    decode steps one width (`SchedulerConfig.decode_page_ladder` off: SmolLM2's default
+    server compiles 6 decode programs, not 66). The reference gathers all W pages; the
+    Pallas kernels stay on the ladder until timed on their devices."""
+    return backend_name(name, platform) == "xla"
+
+
+__all__ = ["BACKENDS", "Backend", "backend_name", "follows_lengths", "layer_pages",
+           "pallas_gpu", "pallas_tpu", "reference", "select_backend", "tpu_kernel_fits", "xla"]

@@ -176,7 +176,10 @@ class LLMEngine:
             # path's row gather over a reshaped cache made XLA gather the whole cache per
             # layer when KV heads are split (bench/collectives.py).
             attention = "reference"
+        # What the steps are built for, read once here: the backend is resolved on it and both
+        # go into the step's static config (`StepConfig`), never read while tracing.
         platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+        attention = backend_name(attention, platform)
         sched_cfg = config.scheduler_config(attention, platform)
         self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
@@ -184,14 +187,14 @@ class LLMEngine:
         self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
                                       exit_config.threshold if exit_config else np.inf)
         # a pool the Pallas kernels read is stored in their layout (kv_cache: head-major)
-        head_major = mesh is None and head_major_for(
-            backend_name(attention, platform))
+        head_major = mesh is None and head_major_for(attention)
         self.runner = ModelRunner(cfg, params,
                                   allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
                                                  sharding=cache_sharding,
                                                  head_major=head_major),
                                   exit_config, exit_heads, attention=attention,
                                   max_batch=max(sched_cfg.batch_buckets), mesh=mesh,
+                                  platform=platform,
                                   layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
                                                             exit_config is not None))
         # Verified exits (ExitConfig.verify): how many tokens a decode step emits is known

@@ -197,15 +197,34 @@ def unpack_results(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 class StepConfig:
     """Everything static about a step program but its shape: runners of one StepConfig share
     one jitted function (`step_program`), so a second engine of the same model, exit settings,
-    attention backend and mesh compiles nothing the first one compiled."""
+    attention backend, platform and mesh compiles nothing the first one compiled.
+
+    Whatever a trace of the step depends on is here (or in its shape and arguments): the
+    platform the step is built for and the backend resolved on it are fields, not state of
+    the process read while tracing, so a cached program is never one traced for another
+    platform (a TPU step traced on a CPU host by `aot` is keyed as the TPU's)."""
 
     model: ModelConfig
     exit_config: ExitConfig | None
+    # the attention backend, a concrete name ("auto" is resolved on `platform` where the
+    # config is built: `attention_kernels.backend_name`)
     attention: str
+    # the platform the step is built for ("cpu", "gpu", "tpu"): it decides how the learned
+    # back-fill maps are read (`backfill_maps.gathers`) and which backends may run
+    platform: str
     mesh: Mesh | None
     # TPU without a mesh: the pool's formats (a KVCache of them) the step returns the donated
     # cache in, the ones it took it in (`ModelRunner(layout_shape=...)`); None: the default
     cache_format: Any = None
+
+    def __post_init__(self):
+        if self.attention == "auto":
+            raise ValueError("StepConfig.attention is a concrete backend: resolve 'auto' "
+                             "with attention_kernels.backend_name(name, platform)")
+        if not self.platform or self.platform != self.platform.lower():
+            raise ValueError(f"StepConfig.platform is a lower-case platform name ('cpu', "
+                             f"'gpu', 'tpu'), got {self.platform!r}")
+        attention_kernels.backend_name(self.attention, self.platform)  # runs there
 
 
 class StepProgram:
@@ -258,7 +277,7 @@ class StepProgram:
         result, cache = model_step(params, heads, cache, tokens, meta, inp["threshold"],
                                    c.model, policy, c.attention,
                                    block_tokens=inp["block_tokens"] if blocks else None,
-                                   pending=rows_pending)
+                                   pending=rows_pending, platform=c.platform)
         st = sampling_tensors(inp)
         if result.run_logits is not None:  # verified exits: drafts, or a verify
             sampled, logprobs, emitted, result = _verify(result, rows_pending, st, c.model)
@@ -390,8 +409,10 @@ class ModelRunner:
                  mesh: Mesh | None = None, device: jax.Device | None = None,
                  platform: str | None = None, layout_shape: StepShape | None = None):
         """`device`: where a runner without a mesh runs (default: the first local device).
-        `platform`: what the steps are built for (default: the devices'); it decides whether
-        policy "per_row" compacts its rows (`compaction_pays`).
+        `platform`: what the steps are built for (default: the devices'), read here once: it
+        resolves `attention` ("auto" included) and goes into the step's static config
+        (`StepConfig.platform`), and decides whether policy "per_row" compacts its rows
+        (`compaction_pays`).
         `layout_shape` (TPU, no mesh): the weights, heads and pool are placed in the device
         layouts the step of that shape wants (`layouts.pick`; the engine gives its largest
         decode bucket, `layout_shape()`): in XLA's default ones every SmolLM2 decode step
@@ -401,6 +422,7 @@ class ModelRunner:
         for a device this machine may not have: nothing is allocated."""
         platform = platform or (mesh.devices.flat[0] if mesh is not None else
                                 device or jax.local_devices()[0]).platform
+        attention = attention_kernels.backend_name(attention, platform)
         if exit_config is not None and exit_config.policy == "per_row" and \
                 not compaction_pays(platform):  # one stage: every row runs to the batch's end
             exit_config = dataclasses.replace(exit_config, min_row_bucket=max_batch)
@@ -435,7 +457,8 @@ class ModelRunner:
             device = device or jax.local_devices()[0]
             where = SingleDeviceSharding(device)
             if layout_shape is not None and platform == "tpu":
-                where = self._formats(layout_shape, where, exit_config, attention, max_batch)
+                where = self._formats(layout_shape, where, exit_config, attention, max_batch,
+                                      platform)
             self.params, self.exit_heads, self.cache = _place(
                 (self.params, self.exit_heads, self.cache), where)
             cache_format = where[2] if isinstance(where, tuple) else None
@@ -454,8 +477,8 @@ class ModelRunner:
         self.last_tokens, self.pending = _place(
             jax.eval_shape(state) if abstract else state(),
             SingleDeviceSharding(device) if mesh is None else sharding.replicated(mesh))
-        self.program = step_program(StepConfig(cfg, exit_config, attention, mesh,
-                                               cache_format))
+        self.program = step_program(StepConfig(cfg, exit_config, attention, platform,
+                                               mesh, cache_format))
         self._step = self.program.jitted
         # The devices the steps run on, in the order the programs are compiled for.
         self.devices: list[jax.Device] = list(mesh.devices.flat) if mesh is not None else \
@@ -465,8 +488,8 @@ class ModelRunner:
         self._programs: dict[StepShape, jax.stages.Compiled] = {}
 
     def _formats(self, shape: StepShape, where: jax.sharding.Sharding,
-                 exit_config: ExitConfig | None, attention: str, max_batch: int
-                 ) -> tuple[Any, Any, KVCache]:
+                 exit_config: ExitConfig | None, attention: str, max_batch: int,
+                 platform: str) -> tuple[Any, Any, KVCache]:
         """(params, heads, cache) formats the step of `shape` takes with no entry copy
         (`layouts.pick`: a few compiles of that step, once per configuration and process)."""
         cfg = self.cfg
@@ -483,7 +506,7 @@ class ModelRunner:
         args = (sds(self.params), sds(self.exit_heads), sds(self.cache),
                 jax.ShapeDtypeStruct((shape.size,), jnp.int32, sharding=where), sds(last),
                 sds(pend))
-        key = (StepConfig(cfg, exit_config, attention, None), shape,
+        key = (StepConfig(cfg, exit_config, attention, platform, None), shape,
                abstract_signature(args), where)
         if key not in _PICKED:
             prog = StepProgram(key[0])
@@ -493,9 +516,8 @@ class ModelRunner:
             if self.cache.head_major:
                 args = (*args[:2], layouts.place(args[2], layouts.default_formats(args[2])),
                         *args[3:])
-            with attention_kernels.target_platform("tpu"):  # compiled for it from any host
-                picked = layouts.pick(functools.partial(prog._impl, shape), args, auto,
-                                      donate_argnums=(2,), returned={0: 2})
+            picked = layouts.pick(functools.partial(prog._impl, shape), args, auto,
+                                  donate_argnums=(2,), returned={0: 2})
             if self.cache.head_major:  # the pool as pinned above
                 picked = (*picked, jax.tree.map(lambda a: a.format, args[2]))
             _PICKED[key] = picked

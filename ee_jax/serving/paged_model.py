@@ -38,8 +38,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer,
            meta: AttentionMetadata, cfg: ModelConfig, backend: str = "reference"
            ) -> tuple[jax.Array, KVCache]:
     """The one attention interface: write this step's k, v [B, T, K, hd] into `layer`, then
-    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache). backend: a name
-    `attention_kernels.select_backend` knows ("reference", "xla", "auto", ...).
+    attend with q [B, T, H, hd] -> (out [B, T, H, hd], cache). backend: a concrete name of
+    `attention_kernels.BACKENDS` ("reference", "xla", "pallas_tpu", ...): "auto" is resolved
+    on the step's platform before tracing (`model_step`), so this reads no platform.
 
     With query blocks (a ragged prefill step) q, k, v are on the layer's one token axis
     [N + B, heads, hd]: every K/V is written first (one scatter), then the backend runs twice,

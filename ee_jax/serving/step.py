@@ -261,14 +261,22 @@ def _rows(tree, rows):
 def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
                meta: AttentionMetadata, thresholds: jax.Array, cfg: ModelConfig,
                policy: Policy, attention: str = "reference",
-               block_tokens: jax.Array | None = None, pending: Pending | None = None
-               ) -> tuple[StepResult, KVCache]:
+               block_tokens: jax.Array | None = None, pending: Pending | None = None,
+               platform: str = "cpu") -> tuple[StepResult, KVCache]:
     """The one step. tokens: [B, 1], each row's token (the one whose logits are sampled);
     block_tokens: [N] the rest of a prefill step's chunks in query blocks (`meta.has_blocks`);
     thresholds: [B] f32 (policies with checks: decode, one token per row, no blocks);
     pending: the previous decode step's `StepResult.pending`, in this step's row order
     (policies with checks under backfill "deferred"; any other step drops it, leaving the
-    propagated K/V in place)."""
+    propagated K/V in place).
+
+    attention and platform (static) are what the program takes from the machine it is for:
+    the backend is resolved on the platform (`attention_kernels.backend_name`; the runner
+    passes one already resolved, `StepConfig.attention`), and the platform decides how the
+    learned maps are read (`backfill_maps.gathers`). Both are passed in, never read from the
+    process, so a step traced on a CPU host for a TPU (`aot`) is the TPU's step. The default
+    platform is the CPU the tests run on."""
+    attention = attention_kernels.backend_name(attention, platform)
     if meta.has_blocks != (block_tokens is not None):
         raise ValueError("block_tokens and meta's query blocks come together")
     if tokens.shape[1] != 1:
@@ -280,7 +288,7 @@ def model_step(params: llama.Params, heads, cache: KVCache, tokens: jax.Array,
         raise ValueError("exit policies decode one token per row; prompt chunks run at full "
                          "depth (StepShape.kind='prefill')")
     return _with_checks(params, heads, cache, tokens, meta, thresholds, cfg, policy, attention,
-                        pending)
+                        pending, platform)
 
 
 def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
@@ -328,7 +336,8 @@ def _with_pending(meta: AttentionMetadata, x: jax.Array, pending: Pending
 
 
 def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfig,
-                 policy: BatchExit | PerRow, attention: str, pending: Pending | None):
+                 policy: BatchExit | PerRow, attention: str, pending: Pending | None,
+                 platform: str):
     ec = policy.ec
     L, B = cfg.n_layers, tokens.shape[0]
     verify = ec.verify
@@ -507,7 +516,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # at L and 0); under "deferred_learned" both the row's token and its pending one are
     # filled from their states at the row's exit, so one slot a row serves both
     learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0],
-                       backfill_maps.gathers(attention_kernels.current_platform(), B))
+                       backfill_maps.gathers(platform, B))
                if uses_maps(ec.backfill) else None)
     if not deferred:
         cache = backfill(params, cache, h_exit[:, None], n_done, meta, cfg, first,
