@@ -1,4 +1,5 @@
-"""Where exits pay: a roofline from the compiler's own counts (issue 21).
+"""Where exits pay: a roofline from the compiler's own counts (no accelerator is at hand, so
+the compiled programs' flops and bytes stand in for a measured step time).
 
 For each model shape and target, the decode step's pieces are compiled (TPU, ahead of time
 on this host, with memory-space assignment off so that the bytes are HBM bytes: see

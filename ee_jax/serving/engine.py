@@ -174,7 +174,7 @@ class LLMEngine:
         if attention == "auto" and mesh is not None and mesh.size > 1:
             # Sharded: the gather reference keeps the Megatron minimum of collectives; the XLA
             # path's row gather over a reshaped cache made XLA gather the whole cache per
-            # layer when KV heads are split (bench/collectives.py).
+            # layer when KV heads are split (`python -m bench.kernels collectives`).
             attention = "reference"
         platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
         sched_cfg = config.scheduler_config(attention, platform)
