@@ -3,7 +3,7 @@
 (`step_case` / `time_steps`), one agreement with full depth (`agreement`, teacher-forced), the
 transformers baseline, and one doc writer (`write_marked`, `report_header`).
 
-Conventions (docs/architecture.md section 7, issue 13 part 6):
+Conventions (docs/architecture.md section 7):
 
 * A full-depth baseline is built with `early_exit=False`, written in the script: `LLM(model)`
   alone serves the heads shipped for a registry model, so it is not full depth.
@@ -202,7 +202,7 @@ def load_f32(name: str, blocks: bool = True):
     dequantized in the step); blocks=False: every weight a dense f32 array."""
     from ee_jax.models.loading import load_model
 
-    # (only when asked: an older checkout's load_model, bench.poisson --tree, has no blocks)
+    # (only when asked: an older checkout's load_model, bench.load engine --tree, has no blocks)
     return load_model(name, dtype="float32", progress=False, **({} if blocks else
                                                                   {"blocks": False}))
 

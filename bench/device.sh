@@ -18,7 +18,7 @@
 #                       and 2L/3 (the ceiling), weight dtypes, attention backends, batch 1-128.
 # Batch 1 against batch 2: compiled here without a GPU, XLA's GPU compiler rewrites a one-row
 # bf16 product into a weight-sized elementwise product and a reduction (3x the weight bytes;
-# docs/benchmarks.md, "On CUDA, compiled"), two rows into a GEMM, so the engine's GPU steps
+# docs/roofline.md, "CUDA"), two rows into a GEMM, so the engine's GPU steps
 # start at two rows (`scheduler.default_batch_buckets`). bench.step runs the runner at exactly
 # B rows: if batch 1's full-depth step is faster than batch 2's on the device, that rule goes.
 # On a GPU, `per_row` runs one stage (no row compaction: `model_runner.compaction_pays`; a

@@ -1,5 +1,5 @@
-"""How fast can these exit heads be, at best? The honest ideal speed-up per back-fill (issue
-#23: `exit_cost.step_cost` counts what each decode step really runs) of the oracle exit and of
+"""How fast can these exit heads be, at best? The honest ideal speed-up per back-fill
+(`exit_cost.step_cost` counts what each decode step really runs) of the oracle exit and of
 the heads' own decision at TF error budgets, on the held-apart calibration split,
 teacher-forced.
 

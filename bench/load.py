@@ -18,9 +18,9 @@ For each offered rate (requests/s), one arrival schedule (exponential gaps, seed
 * `full depth`: the engine built with `early_exit=False` and `mixed_steps=True`: continuous
   batching where running requests' decode rows ride along in prefill steps, requests added
   between steps as they arrive;
-* `prefill-first` (mode `full-pf`): the same engine with `mixed_steps=False`, the scheduler
-  the engine had before issue 13: a prefill step holds prompt chunks only, so every running
-  request waits while a new prompt is prefilled (issue 13's bar compares its p99 TTFT);
+* `prefill-first` (mode `full-pf`): the same engine with `mixed_steps=False`: a prefill step
+  holds prompt chunks only, so every running request waits while a new prompt is prefilled
+  (what mixed steps are measured against: its p99 TTFT and ITL);
 * `early exit`: the same engine with the model's shipped exit heads (`--random`: untrained
   heads at layers 1-3, threshold --threshold, default 0: every row leaves at layer 1);
 * `static`: transformers-style static batching: when idle, take the requests that have
@@ -55,8 +55,8 @@ Per run: completed requests, output tokens/s and requests/s over the run, time t
 (from the request's arrival) and inter-token latency, p50 and p99; for early exit the
 rows' exit-layer histogram and the ideal speed-up with the LM head counted. Static batching
 "saturates" at the lowest offered rate where it completes under 90% of the offered
-requests/s or its p99 TTFT exceeds 4x its p99 at the lowest rate; the issue's bar compares
-the engine's p99 TTFT there.
+requests/s or its p99 TTFT exceeds 4x its p99 at the lowest rate; the engine's p99 TTFT at
+that rate is the comparison that matters.
 
 http -- Load on the live HTTP server: N concurrent streaming clients at a sweep of request rates.
 Method:

@@ -1,4 +1,5 @@
-"""Where exits pay: a roofline from the compiler's own counts (issue 21).
+"""Where exits pay: a roofline from the compiler's own counts (no accelerator is at hand, so
+the compiled programs' flops and bytes stand in for a measured step time).
 
 For each model shape and target, the decode step's pieces are compiled (TPU, ahead of time
 on this host, with memory-space assignment off so that the bytes are HBM bytes: see
@@ -77,7 +78,8 @@ from ee_jax.serving.step import FullDepth, checked_layers, model_step
 PAGE = 16
 # Row exit histograms of the shipped SmolLM2 default at batch 1 (back-fill deferred_learned at
 # threshold 0.975; layer: rows, 30 = full depth): bench.shipped_exits --batch-runs 1:all
-# --backfills deferred_learned --prompts 12 --new-tokens 32, 2026-12-03 20:52 (docs/benchmarks.md).
+# --backfills deferred_learned --prompts 12 --new-tokens 32, 2026-12-03 20:52 (that run's table
+# is in the history of docs/benchmarks.md: `git log -p docs/benchmarks.md`).
 SHIPPED = {
     "instructions": {16: 22, 17: 8, 18: 20, 19: 14, 20: 15, 21: 9, 22: 6, 23: 3, 24: 8, 25: 6,
                      26: 4, 27: 6, 28: 6, 29: 10, 30: 233},

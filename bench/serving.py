@@ -1,5 +1,5 @@
 """Serving throughput: ee-jax at full depth against Hugging Face transformers `generate` on the
-same f32 weights (the performance bar of issue 13).
+same f32 weights (the bar a serving engine must clear before its exits matter).
 
     python -m bench.serving --batches 1 8 32 --new-tokens 128 --out docs/benchmarks.md
     python -m bench.serving --quick                      # smoke test: batch 1 and 2, 8 tokens

@@ -1,5 +1,5 @@
-"""Timed decode speed of the shipped exit heads against full depth (issue #12's bar), on the
-three workloads the teacher-forced evaluation uses.
+"""Timed decode speed of the shipped exit heads against full depth (whether the exits pay as
+served, not only teacher-forced), on the three workloads the teacher-forced evaluation uses.
 
     python -m bench.shipped_exits --out docs/benchmarks.md
     python -m bench.shipped_exits --tiny --prompts 2 --new-tokens 6 --repeats 1   # smoke test

@@ -1,8 +1,8 @@
 """A tiny random Llama with a real byte-level tokenizer, for serving without a model file.
 
-The HTTP server, its tests and `bench/serve_load.py --random` need the whole text path (encode,
-chat template, incremental decode) on a model that compiles in seconds. The tokenizer is
-byte-level BPE with no merges: every Unicode string encodes (one token per UTF-8 byte), and
+The HTTP server, its tests and `python -m bench.load http --random` need the whole text path
+(encode, chat template, incremental decode) on a model that compiles in seconds. The tokenizer
+is byte-level BPE with no merges: every Unicode string encodes (one token per UTF-8 byte), and
 three special tokens give it an end of text and a ChatML chat template.
 
     model = random_model()                      # a LoadedModel

@@ -1,5 +1,6 @@
 """Figures a user can trust: steps that compiled a program are left out of the decode step
-time and of the time to first token, and counted (issue #22 item 6).
+time and of the time to first token, and counted (a compile in a timed step would
+make the figure the compiler's, not the engine's).
 
 The truth is the test's own: it times every `engine.step()` call (blocking steps, so a call is
 one step) and counts the compiles JAX reports during it through its own `jax.monitoring`

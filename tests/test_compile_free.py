@@ -1,8 +1,8 @@
 """A mixed-step service under Poisson-like arrivals compiles nothing after start-up's warm-up.
 
 Arrivals form prefill and mixed steps of any row count, packed length and furthest position,
-which no warm-up by example meets (issue 13: three ~2 s compiles inside a measured Poisson
-run). Prefill steps take one page-table width and few batch buckets per packed length
+which no warm-up by example meets (it once left three ~2 s compiles inside a measured
+Poisson run). Prefill steps take one page-table width and few batch buckets per packed length
 (`SchedulerConfig.prefill_row_tokens`), so their shapes are few, and `LLMEngine.precompile`
 compiles every shape ahead.
 """

@@ -46,7 +46,8 @@ def engine_config(**kw) -> EngineConfig:
     # page_size 16 with max_model_len 64: 4 pages per sequence, so a single page bucket;
     # prompts pack into a few packed-token buckets (query blocks of 32): few programs.
     # Blocking steps: these tests read each step's output and the cache after it (overlapped
-    # steps give the same tokens: tests/test_engine.py::test_overlapped_engine_equals_...).
+    # steps give the same tokens:
+    # tests/test_engine.py::test_overlapped_engine_equals_blocking_engine).
     base = dict(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
                 max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
                 async_scheduling=False,

@@ -1,4 +1,4 @@
-"""Exits that never cost (issue #23, ee_jax/serving/controller.py): per batch bucket the
+"""Exits that never cost (ee_jax/serving/controller.py): per batch bucket the
 engine runs the exit program only where the cost model says its checks pay, the full-depth
 program elsewhere, and looks again from time to time."""
 

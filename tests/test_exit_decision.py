@@ -336,7 +336,7 @@ def test_cost_model_counts_heads_and_checks_in_layer_equivalents():
     head = (576 + 49152 * 576) / layer
     never = ExitConfig(exit_layers=(27,), policy="never")
     cm = exit_cost.cost_model(smol, never)
-    assert cm.final_head == pytest.approx(head)  # about 8 layers, as issue #12 says
+    assert cm.final_head == pytest.approx(head)  # about 8 layers: why the ideal counts it
     assert 7.9 < head < 8.1
     assert exit_cost.ideal_speedup_with_head(smol, never, {30: 10}) == pytest.approx(1.0)
     ec = ExitConfig(exit_layers=(15, 20, 25), head="mlp", adapter_rank=128,

@@ -1,4 +1,4 @@
-"""Weight-only int8 serving (issue 14, part 5) against independent truths: numpy for the
+"""Weight-only int8 serving against independent truths: numpy for the
 quantizer and the matmul rule, the f32 dense forward for the logits, the dense forward of the
 same int8 model (no cache, no paging) and an f32 engine on the dequantized weights for the
 engine. Tiny models only; engines use one page and one batch bucket."""

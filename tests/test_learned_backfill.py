@@ -1,4 +1,4 @@
-"""Back-fill "learned" (issue #23): fitted maps correct the K/V a skipped layer gets from a
+"""Back-fill "learned": fitted maps correct the K/V a skipped layer gets from a
 token's exit state (ee_jax/models/backfill_maps.py, ee_jax/training/backfill_fit.py,
 ee_jax/serving/backfill.py).
 

@@ -1,4 +1,4 @@
-"""The accelerator path, checked without an accelerator (issue 21): every step program of a
+"""The accelerator path, checked without an accelerator (none is lent): every step program of a
 tiny config compiles for a TPU topology (libtpu, ahead of time on this CPU host) and lowers
 for CUDA (`jax.export`, the Pallas GPU kernel included); block shapes the kernels' compilers
 refuse are refused here too, and the backends' shape rules agree with those compilers.
@@ -143,7 +143,7 @@ def test_tpu_kernel_rule_agrees_with_mosaic():
 
 @needs_libtpu
 def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
-    """The defect issue 21 found: pallas_tpu on SmolLM2's head_dim 64 failed in Mosaic. The
+    """The defect the roofline found: pallas_tpu on SmolLM2's head_dim 64 failed in Mosaic. The
     TPU cache is stored at head_dim 128 (`kv_cache.storage_head_dim`), so the engine's decode
     step runs the kernel there, and it compiles; called on a head_dim-64 cache, the backend
     itself still takes the XLA path (decided from shapes at trace time)."""
@@ -558,7 +558,7 @@ def _hand_step_bytes(cfg, B: int, W: int, page: int = 16) -> float:
 
 def test_roofline_bytes_match_the_hand_count_on_cpu():
     """bench/roofline.py's composed full-depth step (fixed + L x layer, compiled for this
-    CPU) moves the bytes a hand count says, within 10 % (issue 21's bar): a layer piece that
+    CPU) moves the bytes a hand count says, within 10 %: a layer piece that
     gathered pages out of a pool, or counted the K/V write by the pool, would be off by
     several times."""
     from bench import roofline

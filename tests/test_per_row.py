@@ -1,5 +1,5 @@
 """Policy "per_row": every row leaves at its own first confident exit, the rows still running
-compacted into smaller row buckets inside the step (ee_jax/serving/early_exit.py).
+compacted into smaller row buckets inside the step (ee_jax/serving/step.py).
 
 Checked against independent references: the dense full-depth forward (tokens, hidden states,
 K/V), `exit_heads.exit_logits` of the dense hidden state at each row's exit, and `kv_project` of
@@ -208,7 +208,7 @@ def test_each_row_exits_at_its_first_confident_exit(step_case, c_by_layer, row_t
 
 
 def candidate_case(exit_layers):
-    """Candidate-feature heads (issue 12's shipped kind: MLP head, vocabulary subset, decision
+    """Candidate-feature heads (the shipped kind: MLP head, vocabulary subset, decision
     MLP per exit) over a shuffled subset of the whole vocabulary; 3 candidates of 128 ids, so
     the first check takes `exit_checks.top_k`'s block path."""
     ec = ExitConfig(exit_layers=exit_layers, head="mlp", adapter_rank=8, measure="candidates",

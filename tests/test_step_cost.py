@@ -1,4 +1,4 @@
-"""The honest ceiling counts steps (ee_jax/models/exit_cost.py, issue #23): hand-computed
+"""The honest ceiling counts steps (ee_jax/models/exit_cost.py): hand-computed
 sequences, including consecutive tokens that both leave early."""
 
 from __future__ import annotations

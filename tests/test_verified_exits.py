@@ -1,4 +1,4 @@
-"""Verified exits (ExitConfig.verify, DESIGN section 5b): exit-head drafts checked by the
+"""Verified exits (ExitConfig.verify, docs/early_exit.md): exit-head drafts checked by the
 layers they skipped; the output is exactly full depth's.
 
 Truths: the dense full-depth forward (greedy tokens, and every K/V an accepted position holds

@@ -1,5 +1,6 @@
 """Teacher-forced (TF) evaluation of exit heads on the model's own full-depth answers, with
-the heads' and checks' costs counted (issue #12).
+the heads' and checks' costs counted (an exit that saves layers but pays a head and checks
+at every exit below it must be counted whole, or the speed-up is flattered).
 
     python -m ee_jax.evaluation.teacher_forced --heads runs/tune-smollm2-135m-v2/exit_heads \
         --out docs/eval/issue12

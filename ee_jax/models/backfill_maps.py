@@ -1,4 +1,4 @@
-"""Learned back-fill maps (ExitConfig.backfill "learned", issue #23): fitted corrections that
+"""Learned back-fill maps (ExitConfig.backfill "learned"): fitted corrections that
 bring the K/V a skipped layer gets from a token's exit state close to what full depth writes.
 
 Propagate back-fill writes, for a token that left after e layers, `kv_project(layer j, h_e)`

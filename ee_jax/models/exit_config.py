@@ -97,8 +97,8 @@ class ExitConfig:
     learned K/V (not the projected ones) for the layers it does not: deferred's cost with
     agreement at least deferred's (on accelerators, where the second query rides on weights
     read anyway, propagate's cost). All four run only the layers the step's new tokens run
-    (DESIGN section 5); the deferred two add their second query's arithmetic in them (free
-    where decode is memory-bound, paid per row where it is compute-bound).
+    (docs/early_exit.md, "Back-fill"); the deferred two add their second query's arithmetic in
+    them (free where decode is memory-bound, paid per row where it is compute-bound).
     """
 
     exit_layers: tuple[int, ...] = ()
@@ -115,12 +115,12 @@ class ExitConfig:
     candidates: int = 8
     target_agreement: float = 0.95
     backfill: Backfill = "deferred"
-    # Verified exits (DESIGN section 5b): a token that leaves at its exit is a *draft*; the
-    # row's run of drafts rides along in later steps and is checked by the full model in
-    # the first step that runs the row to the last layer (its token not confident, or the
-    # run at max_draft, or a length or stop limit within reach). Only what the full model
-    # confirms is emitted: the output is full depth's, the threshold a speed knob. The K/V
-    # come from riding along alone (backfill "deferred"; nothing propagated or learned).
+    # Verified exits (docs/early_exit.md, "Verified exits"): a token that leaves at its exit is
+    # a *draft*; the row's run of drafts rides along in later steps and is checked by the full
+    # model in the first step that runs the row to the last layer (its token not confident, or
+    # the run at max_draft, or a length or stop limit within reach). Only what the full model
+    # confirms is emitted: the output is full depth's, the threshold a speed knob. The K/V come
+    # from riding along alone (backfill "deferred"; nothing propagated or learned).
     verify: bool = False
     # verify: the longest run of drafts before a verify step (LayerSkip's num_speculations
     # with force_exit_layer): longer runs save more steps when accepted and waste more when

@@ -1,10 +1,10 @@
 """The cost of early exit in layer-equivalents (pure arithmetic on the shapes).
 
 Per token (`CostModel`): a token leaving at exit e costs e layers + its checks + the exit
-head; the ideal counts the heads: (L + final head) / mean cost (DESIGN section 4, "Count the
-head"). That per-token count is exact only where each token's work is its own.
+head; the ideal counts the heads: (L + final head) / mean cost (leaving the final head out
+would flatter every exit). That per-token count is exact only where each token's work is its own.
 
-Per step (`step_cost`, issue #23, DESIGN section 5): what a decode step really runs, per
+Per step (`step_cost`, docs/early_exit.md "Back-fill"): what a decode step really runs, per
 back-fill mode. A step pays for the union of what its rows run. Under "deferred" a row's
 pending token (its previous token, left early at p) rides along as a second query in the
 layers its row's new token runs anyway (`step._with_checks`): layers p..e-1 when the new token

@@ -129,13 +129,13 @@ def block_dequantize(w: BlockQ) -> jax.Array:
     return t.reshape(*lead, out, inp)
 
 
-# Output-major products (t [out, in], w = t.T: the tied embedding as the LM head, a GGUF
-# block weight dequantized) by row count (bench/decode_micro.py, SmolLM2's layer slices,
-# 2-core CPU): one row, x @ t.T, which XLA runs as a matrix-vector loop over t's rows; up to
-# _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left operand; the
-# barrier keeps XLA from turning it back into x @ t.T, 20-30% slower there); above,
-# prompt-sized row counts (512+), x @ t.T again: the [out, rows] result's transpose would
-# cost more.
+# Output-major products (t [out, in], w = t.T: the tied embedding as the LM head, a GGUF block
+# weight dequantized) by row count (the decode micro-benchmark removed in f73b65e, SmolLM2's
+# layer slices, 2-core CPU): one row, x @ t.T, which XLA runs as a matrix-vector loop over t's
+# rows; up to _OUT_MAJOR_NN_ROWS rows, t @ x.T as its own product ([out, rows], t the left
+# operand; the barrier keeps XLA from turning it back into x @ t.T, 20-30% slower there); above,
+# prompt-sized row counts (512+), x @ t.T again: the [out, rows] result's transpose would cost
+# more.
 _OUT_MAJOR_NN_ROWS = 64
 
 

@@ -42,7 +42,7 @@ _NEG = -1e30
 # xla: keys per chunk of the online softmax, at least _CHUNK_KEYS and at least
 # _CHUNK_ELEMENTS / (B * T) (small batches pay more per loop iteration than per key; counted
 # per query, so a prefill step's 32-query blocks take 128-key chunks, not up to 2048 / blocks:
-# a lone prompt's blocks read 512 keys where 128 would do: bench/prefill.py, in git at ed116cf).
+# a lone prompt's blocks read 512 keys where 128 would do: the prefill benchmark at ed116cf).
 # Chosen on CPU (`python -m bench.kernels attention`, SmolLM2 shapes, page size 16): 64-128
 # keys were best at batch 32, larger chunks no worse at batch 1-8, within the noise of a
 # shared 2-core machine.
@@ -50,8 +50,9 @@ _CHUNK_KEYS = 128
 _CHUNK_ELEMENTS = 2048
 # xla: rows per block, max(_MIN_ROW_BLOCK, B // _ROW_BLOCKS), once a batch holds at least two
 # blocks. Sorted by kv_len, each block's loop stops at its own longest row. Measured on the
-# whole decode step (bench/decode_micro.py --step, rows of ~130-450 keys in a 512-key page
-# bucket): batch 32, blocks of 8: 15% less step time than one loop over all rows; blocks of 4
+# whole decode step (the decode micro-benchmark removed in f73b65e, rows of ~130-450 keys in a
+# 512-key page bucket; `python -m bench.kernels attention --backends xla xla_unblocked` repeats
+# batch 32): batch 32, blocks of 8: 15% less step time than one loop over all rows; blocks of 4
 # or 16 no better than 8; batch 8, blocks of 4: 8-11% less CPU time per step.
 _ROW_BLOCKS = 4
 _MIN_ROW_BLOCK = 4
@@ -90,7 +91,8 @@ def _static_zero(window) -> bool:
 # Up to this many query rows per kv head (T * H/K), `xla` forms q.k and p.v as broadcast
 # products reduced over one axis rather than as batched matmuls: with 3 rows per (row, kv
 # head) the matmuls are tiny and XLA's CPU backend pays per matmul; the products fuse with
-# the page gather's layout and ran about 2x faster at batch 32 (bench/attention.py).
+# the page gather's layout and ran about 2x faster at batch 32 (the attention benchmark
+# removed in f73b65e).
 _PRODUCT_MAX_ROWS = 8
 
 

@@ -1,6 +1,6 @@
-"""Exits that never cost (issue #23, item 3): per batch bucket, run the exit program only
-where its checks pay for themselves; elsewhere run the full-depth program (no checks
-compiled in), and look again from time to time.
+"""Exits that never cost (an engine with exits must not serve slower than one without): per
+batch bucket, run the exit program only where its checks pay for themselves; elsewhere run the
+full-depth program (no checks compiled in), and look again from time to time.
 
 A decision reads the exit program's recent decode rows in that bucket (their exit layers)
 and the engine's cost model of one step (`predict(bucket, row_exit_counts)` -> the step's
@@ -43,8 +43,8 @@ CPU_RIDE_COST = 0.7  # ControllerConfig.ride_cost's default on CPU
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    """mode "auto": decide per batch bucket; "exits": always the exit program (the engine
-    before issue #23); "full": never (the exit heads stay loaded, no check runs).
+    """mode "auto": decide per batch bucket; "exits": always the exit program (no
+    controller); "full": never (the exit heads stay loaded, no check runs).
     window: decode rows of the exit program a decision reads (the latest, per bucket).
     probe_steps: exit-program steps a bucket runs to (re)gather rows before deciding.
     probe_every: steps a bucket runs at full depth before it probes again.

@@ -174,7 +174,7 @@ class LLMEngine:
         if attention == "auto" and mesh is not None and mesh.size > 1:
             # Sharded: the gather reference keeps the Megatron minimum of collectives; the XLA
             # path's row gather over a reshaped cache made XLA gather the whole cache per
-            # layer when KV heads are split (bench/collectives.py).
+            # layer when KV heads are split (`python -m bench.kernels collectives`).
             attention = "reference"
         # What the steps are built for, read once here: the backend is resolved on it and both
         # go into the step's static config (`StepConfig`), never read while tracing.

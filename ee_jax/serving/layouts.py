@@ -1,5 +1,5 @@
 """Entry layouts a compiled step wants, so that no step copies a weight or the KV pool whole
-on entry (issue 21's roofline found them on TPU).
+on entry (the roofline of the compiled TPU programs found such copies: docs/roofline.md).
 
 XLA gives every parameter of a program a device layout. Left to itself ("default"), the TPU
 client picks the one that pads least: SmolLM2's [49152, 576] embedding is held column-major

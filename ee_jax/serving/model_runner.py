@@ -298,7 +298,7 @@ class StepProgram:
 
 
 def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
-    """Draft or verify each row of a verified-exits step (DESIGN section 5b).
+    """Draft or verify each row of a verified-exits step (docs/early_exit.md, "Verified exits").
 
     Every position is sampled as full depth samples it: the same per-request key (seed,
     token index), the same filters, Gumbel-max over the logits. A draft is the exit head's

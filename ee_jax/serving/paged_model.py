@@ -24,7 +24,7 @@ def _keep_sharding(cache: KVCache, cfg: ModelConfig) -> KVCache:
     """Under a mesh (the runner traces sharded steps inside `jax.set_mesh`) where the KV heads
     are replicated (tp does not divide them), pin the cache replicated after each write:
     otherwise XLA reshards it to suit the query heads' split and gathers it whole every step
-    (bench/collectives.py)."""
+    (`python -m bench.kernels collectives`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return cache

@@ -125,8 +125,8 @@ class SchedulerConfig:
     # N / prefill_row_tokens (a padded row costs about 2-3 tokens of the step: its slot in
     # the dense layers and the LM head; its attention sees no key), so a step's rows take
     # few batch buckets; None: every batch bucket. Page tables take these widths, capped at
-    # pages_per_seq (None: pages_per_seq alone). Cost: bench/prefill.py --policies
-    # (in git at ed116cf).
+    # pages_per_seq (None: pages_per_seq alone). Cost: measured with the prefill benchmark at
+    # ed116cf (`--policies`; docs/architecture.md section 3).
     prefill_row_tokens: int | None = 64
     prefill_page_buckets: tuple[int, ...] | None = None
     # Decode rows ride along in a prefill step (at full depth, one token each, within the

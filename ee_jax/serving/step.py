@@ -32,7 +32,7 @@ The loop with checks, precisely (rows compacted: slot c holds original row perm[
 Pending tokens (`Pending`) ride along as extra queries a row in the layers the step runs:
 back-fill "deferred"'s one token, or under verified exits (`ExitConfig.verify`) a run of up to
 `max_draft` drafts, which the step verifies (the final head over the run) when the row runs
-every layer; nothing is back-filled then (`_finish_run`, DESIGN section 5b).
+every layer; nothing is back-filled then (`_finish_run`; docs/early_exit.md, "Verified exits").
 
 Prefill and full depth are the policy with no checks: a `fori_loop` with a static trip
 count, the fastest full-depth program the engine has (a `while_loop` whose checks are
@@ -48,7 +48,7 @@ as padding (kv_lens 0: they write to the null page and attend to nothing). A ste
 most log2(B) + 1 times. One compiled program per step shape serves every exit pattern, and
 nothing goes back to the host inside the step.
 
-What a check costs (issue 12, shipped SmolLM2 heads, CPU): the first check projects onto the
+What a check costs (the shipped SmolLM2 heads, CPU): the first check projects onto the
 8,192-id subset and picks 8 candidates; `exit_checks.top_k` does that without sorting the subset
 (lax.top_k sorted it: 1.3 ms at batch 1, 16 ms at batch 8), and heads holding `vocab_rows`
 (`exit_heads.with_vocab_rows`) skip gathering the 8,192 head rows every step. A later check is
@@ -542,9 +542,9 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
 
 def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, active,
                 cfg: ModelConfig) -> StepResult:
-    """The end of a verify step (DESIGN section 5b). Every entry of a row's run rode along
-    as far as the row ran. A row that left at its exit e drafted: its run shifts by one and
-    takes its own token (state at e, depth e; the runner fills the draft the exit head
+    """The end of a verify step (docs/early_exit.md, "Verified exits"). Every entry of a row's run
+    rode along as far as the row ran. A row that left at its exit e drafted: its run shifts by
+    one and takes its own token (state at e, depth e; the runner fills the draft the exit head
     made), its older entries now at depth max(theirs, e); its K/V above e are left as they
     are (no back-fill: the run's next steps complete them before any later token reads
     them). A row that ran every layer verifies: the final head scores each entry, and the

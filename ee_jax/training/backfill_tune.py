@@ -1,4 +1,5 @@
-"""Fine-tune learned back-fill maps through the served loss (issue #23's second lever).
+"""Fine-tune learned back-fill maps through the served loss (what later tokens read, not
+the squared K/V error the closed-form fit minimises).
 
 The closed-form fit (`backfill_fit`) makes each map's K/V close to full depth's in squared
 error, every (exit, layer) pair alone. What serving needs is different: that the tokens *after*
@@ -13,8 +14,8 @@ serving with back-fill "learned":
   plus the map's correction (`backfill_maps`), with h_e the position's state after e layers
   *in the simulation* (earlier back-filled tokens have moved it too);
 - the loss is KL(full depth || simulated) of the final logits at the positions that run full
-  depth (those are the tokens whose agreement learned back-fill loses: docs/benchmarks.md,
-  "full-depth tokens"), gradients flowing into the maps only.
+  depth (those are the tokens whose agreement learned back-fill loses: the "full-depth
+  tokens" half of `bench.shipped_exits`' TF agreement), gradients flowing into the maps only.
 
 Layers below the first exit are exact in the simulation (no K/V is back-filled there), so the
 dense states after `first` layers are computed once and the simulation starts there.

@@ -1,7 +1,8 @@
-"""Cheap exit tuning (issue #12): the frozen backbone runs once over the data, its hidden
-states at the exits are cached, and the heads train for several epochs on the cache with KL
-over a restricted vocabulary; then the vocabulary subset, the per-exit decision MLPs
-(measure "candidates") and the calibrated threshold are fitted and shipped with the heads.
+"""Cheap exit tuning (several epochs in the time one epoch of method "full" takes): the frozen
+backbone runs once over the data, its hidden states at the exits are cached, and the heads train for
+several epochs on the cache with KL over a restricted vocabulary; then the vocabulary subset, the
+per-exit decision MLPs (measure "candidates") and the calibrated threshold are fitted and shipped
+with the heads.
 
     cache_states     backbone once: exit hidden states (bf16), the final norm's output,
                      the teacher's top-k ids per position

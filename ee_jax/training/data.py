@@ -5,7 +5,7 @@ distribution is a good teacher):
 
 * the Python standard library's own sources (code and docstrings) — `stdlib_documents`;
 * instructions built from the standard library's documented functions — `instructions` —
-  which the model answers itself (`ee_jax.training.generate`), giving chat-formatted text in
+  which the model answers itself (`ee_jax.training.selfgen`), giving chat-formatted text in
   the model's own words, the distribution it will serve.
 
 Both are split deterministically by a hash of the item into "train" (80%), "calib" (10%,
@@ -201,8 +201,8 @@ def code_prompts(split: Split, limit: int | None = None, seed: int = 0) -> list[
 
 
 # Everyday requests (no code, no standard library) for calibrating thresholds on the kind of
-# chat a new user sends first (issue #12: the stdlib-only calibration did not transfer to
-# everyday chat). Each topic list has its own phrasing. Written apart from the evaluation's
+# chat a new user sends first (a threshold calibrated on stdlib text alone did not transfer
+# to everyday chat). Each topic list has its own phrasing. Written apart from the evaluation's
 # everyday chat (`ee_jax.evaluation.prompts.GENERAL_CHAT`, other topics; a test checks that
 # the two share no request). Split by a hash of the request into "calib" (half) and "train"
 # (half); none is "eval": evaluation uses GENERAL_CHAT.
@@ -289,9 +289,9 @@ _EVERYDAY = (
 )
 
 
-# More everyday requests for *training* only (tuning data for the exit heads: everyday chat was
-# 2% of it and its heads the weakest, issue #12). Not split: all of them are "train", so the
-# "calib" half of _EVERYDAY stays what the shipped calibration used. Topics apart from
+# More everyday requests for *training* only (tuning data for the exit heads: without them everyday
+# chat was 2% of it and its exits agreed least with full depth). Not split: all of them are "train",
+# so the "calib" half of _EVERYDAY stays what the shipped calibration used. Topics apart from
 # GENERAL_CHAT's (the same test checks).
 _EVERYDAY_TRAIN = (
     ("Give me some advice on {}.", (

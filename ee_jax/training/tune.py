@@ -4,9 +4,9 @@ heads saved with their ExitConfig (`ee_jax.models.exit_checkpoint`).
     ee-jax tune --config configs/tune-smollm2-135m.yaml
 
 Two methods: "full" (the backbone runs inside every step, KL over the whole vocabulary) and
-"cached" (issue #12: the backbone runs once and its exit states are cached, KL over a
-restricted vocabulary per batch, then a vocabulary subset, per-exit decision MLPs and a
-threshold calibrated on a held-apart split; `ee_jax.training.cached`).
+"cached" (cheap enough for a 2-core CPU: the backbone runs once and its exit states are
+cached, KL over a restricted vocabulary per batch, then a vocabulary subset, per-exit decision
+MLPs and a threshold calibrated on a held-apart split; `ee_jax.training.cached`).
 
 The backbone's params are an argument of the jitted step, never a closure constant, and
 never differentiated: after tuning they are bit-identical to what was loaded.
@@ -568,7 +568,7 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
                 calib: np.ndarray | CalibSet | None, progress: bool, save: bool,
                 t_start: float
                 ) -> TuneResult:
-    """Method "cached" (issue #12; `ee_jax.training.cached`): backbone once, heads on the
+    """Method "cached" (`ee_jax.training.cached`): backbone once, heads on the
     cache with restricted-vocabulary KL, then vocabulary subset, decision MLPs and the
     calibrated threshold. No mid-run checkpoints: the cache makes a run short."""
     cfg, params = model.config, model.params

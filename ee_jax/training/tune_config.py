@@ -54,7 +54,7 @@ class TuneConfig:
     classifier_weight: float = 1.0
     remat: bool = False  # recompute each exit's logits in the backward pass (less memory)
     seed: int = 0
-    # method "cached" (issue #12)
+    # method "cached": the backbone runs once and the heads train on its cached exit states
     method: str = "full"  # "full" | "cached"
     vocab_subset: int = 0  # K: exit heads score the K most frequent ids (0: all)
     candidates: int = 8  # measure "candidates": tokens later checks score
