@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models.exit_config import BACKFILLS, SERVING_POLICY, ExitConfig
+from ee_jax.models.exit_config import (
+    BACKFILLS,
+    HEADS,
+    MEASURES,
+    POLICIES,
+    SERVING_POLICY,
+    ExitConfig,
+)
 
 
 def _read_prompts(args) -> list[dict]:
@@ -630,7 +637,7 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "--exit-heads gives trained ones for exactly these layers")
     e.add_argument("--exit-threshold", type=float, default=None,
                    help="confidence needed to exit, in [0, 1] (default 0.9)")
-    e.add_argument("--exit-policy", choices=["all", "quorum", "never", "per_row"],
+    e.add_argument("--exit-policy", choices=POLICIES,
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
     e.add_argument("--backfill", choices=BACKFILLS, default=None,
@@ -653,9 +660,12 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    help="auto (default): per batch size, run the exit program only where the "
                    "cost model says its checks pay, else full depth; exits: always the exit "
                    "program; full: never")
-    e.add_argument("--confidence", default="max_prob",
-                   choices=["max_prob", "margin", "entropy", "saturation", "classifier"])
-    e.add_argument("--exit-head", default="norm", choices=["norm", "adapter", "mlp"])
+    e.add_argument("--confidence", default="max_prob", choices=MEASURES,
+                   help="with --exit-layers: the confidence measure of the untrained heads "
+                   "(trained heads bring their own)")
+    e.add_argument("--exit-head", default="norm", choices=HEADS,
+                   help="with --exit-layers: the untrained heads' type (a branch copies its "
+                   "layer's MLP, as EE-Tuning starts its exits)")
     e.add_argument("--exit-heads", help="folder of trained exit heads (ee-jax tune); its exit "
                    "config is used, --exit-threshold/--exit-policy override; default: the "
                    "heads shipped with the model")
