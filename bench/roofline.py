@@ -61,7 +61,7 @@ from bench.common import (
     time_steps,
 )
 from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
-from ee_jax.serving import aot, attention_kernels, layouts
+from ee_jax.serving import aot, attention_kernels, hlo, layouts
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.engine import EngineConfig
 from ee_jax.serving.kv_cache import (
@@ -138,7 +138,7 @@ def copy_bytes(hlo_text: str) -> float:
     each's logical shape, `layouts.copies`): the relayouts the compiler planned (e.g. a
     weight transposed to suit the matmul it feeds), real traffic a hand count of weights and
     K/V leaves out."""
-    return sum(2 * aot.hlo_shape_bytes(dt, ",".join(map(str, shape)))
+    return sum(2 * hlo.shape_bytes(dt, shape)
                for dt, shape in layouts.copies(hlo_text))
 
 

@@ -38,7 +38,7 @@ from ee_jax.errors import EEJaxError
 from ee_jax.models import backfill_maps, exit_checkpoint, exit_heads, gguf, llama, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig, uses_maps
-from ee_jax.serving import attention_kernels, compilation
+from ee_jax.serving import attention_kernels, compilation, hlo
 from ee_jax.serving.engine import EngineConfig, num_pages_for
 from ee_jax.serving.kv_cache import (
     KVCache,
@@ -342,17 +342,6 @@ class Row:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-_HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_HEADER = re.compile(r"^%?([\w.\-]+) \(.*\{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w\-]*)\((.*)$")
-
-
-def hlo_shape_bytes(dtype: str, dims: str) -> float:
-    """Bytes of an HLO array type (`bf16`, `"8192,576"`)."""
-    return float(np.prod([int(d) for d in dims.split(",") if d])) * _HLO_ITEMSIZE.get(dtype, 4)
-
-
 def indexed_excess(hlo_text: str) -> float:
     """Bytes XLA's generic HLO cost analysis (CPU programs, and CUDA's read through the CPU
     client) charges beyond what gathers and in-place scatters move: inside a fusion, a
@@ -364,37 +353,25 @@ def indexed_excess(hlo_text: str) -> float:
     its updates (8 tokens into SmolLM2's 47 MB pool: 95 MB for 3 kB). Mirrors how the
     analysis walks the module: a while body once, a conditional as its costliest branch
     (which one is not known here, so its least over-charged branch: never too much off)."""
-    bodies: dict[str, list[str]] = {}
-    name = None
-    for line in hlo_text.splitlines():
-        h = _HEADER.match(line) or (line.startswith("ENTRY ") and _HEADER.match(line[6:]))
-        if h:
-            name = "ENTRY" if line.startswith("ENTRY ") else h.group(1)
-            bodies[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            bodies[name].append(line)
+    bodies = hlo.computations(hlo_text)
 
     @functools.cache
     def fused(comp: str) -> float:  # bytes over-charged per call of a fused computation
-        lines = bodies.get(comp, ())
-        instrs = [m for m in map(_INSTR.match, lines) if m]
-        shapes = {m.group(1): hlo_shape_bytes(m.group(2), m.group(3)) for m in instrs}
+        instrs = [i for i in hlo.instructions(bodies.get(comp, ())) if i.dims is not None]
+        shapes = {i.name: i.nbytes for i in instrs}
         over = 0.0
-        for m in instrs:
-            if m.group(4) == "parameter":
-                read = _gathered(m.group(1), instrs)
+        for i in instrs:
+            if i.op == "parameter":
+                read = _gathered(i.name, instrs)
                 if read is not None:
-                    size = shapes[m.group(1)]
-                    over += max(0.0, size - read * _HLO_ITEMSIZE.get(m.group(2), 4))
-        root = next((_INSTR.match(ln) for ln in lines if ln.lstrip().startswith("ROOT ")), None)
-        if root and root.group(4) == "scatter":  # in place: the updates, not the whole pool
-            ops = re.findall(r"%([\w.\-]+)", root.group(5).split("),")[0])
+                    over += max(0.0, shapes[i.name] - read * hlo.ITEMSIZE.get(i.dtype, 4))
+        root = next((i for i in instrs if i.root), None)
+        if root and root.op == "scatter":  # in place: the updates, not the whole pool
+            ops = root.operands
             if len(ops) >= 3 and ops[0] in shapes and ops[2] in shapes and any(
-                    m.group(1) == ops[0] and m.group(4) == "parameter" for m in instrs):
+                    i.name == ops[0] and i.op == "parameter" for i in instrs):
                 updates = shapes[ops[2]]
-                over += max(0.0, shapes[ops[0]] - updates) + max(0.0, shapes[root.group(1)]
+                over += max(0.0, shapes[ops[0]] - updates) + max(0.0, shapes[root.name]
                                                                  - updates)
         return over
 
@@ -417,20 +394,19 @@ def indexed_excess(hlo_text: str) -> float:
     return walk("ENTRY")
 
 
-def _gathered(value: str, instrs: list) -> float | None:
+def _gathered(value: str, instrs: list[hlo.Instr]) -> float | None:
     """Elements of `value` the computation reads if it reaches every use only as a gather's
     operand (through converts and bitcasts, which a fusion computes per element read);
     None if some use reads it otherwise."""
-    use = re.compile(r"%" + re.escape(value) + r"(?=[,)\s])")
-    users = [m for m in instrs if m.group(1) != value and use.search(m.group(5))]
+    users = [i for i in instrs if i.name != value and value in i.operands]
     if not users:
         return None
     total = 0.0
-    for m in users:
-        if m.group(4) == "gather" and m.group(5).startswith(f"%{value},"):
-            total += float(np.prod([int(d) for d in m.group(3).split(",") if d]))
-        elif m.group(4) in ("convert", "bitcast"):
-            inner = _gathered(m.group(1), instrs)
+    for i in users:
+        if i.op == "gather" and i.operands[0] == value:
+            total += float(np.prod(i.dims or ()))
+        elif i.op in ("convert", "bitcast"):
+            inner = _gathered(i.name, instrs)
             if inner is None:
                 return None
             total += inner

@@ -29,6 +29,8 @@ from typing import Any
 import jax
 from jax.experimental.layout import Format, Layout
 
+from ee_jax.serving import hlo
+
 
 def auto(tree: Any) -> Any:
     """`Layout.AUTO` on every leaf of `tree`, on the leaf's own sharding (abstract leaves:
@@ -81,12 +83,6 @@ def chosen(compiled: jax.stages.Compiled, argnums: Sequence[int]) -> tuple[Any, 
     return tuple(fmts[i] for i in argnums)
 
 
-_PARAM = re.compile(r"%([\w.\-]+) = (\w+)\[[\d,]*\]\{([^}]*)\} parameter\((\d+)\)")
-_COPY_OF = re.compile(r"= (\w+)\[[\d,]*\]\{([^}]*)\} copy\(%([\w.\-]+)\)")
-# memory-space assignment's asynchronous copies (a prefetch) pass an array on unchanged
-_ASYNC = re.compile(r"%([\w.\-]+) = [^\n]*? copy-(?:start|done)\(%([\w.\-]+)\)")
-
-
 def _layout(text: str) -> Layout:
     """An HLO layout "1,0:T(32,128)(4,1)" (minor to major, then tiles) as a Layout."""
     order, _, rest = text.partition(":")
@@ -106,10 +102,12 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
     the entry layouts, the same program can prefer another for an array (the subset's int8
     rows, [128, 96]: tiled (32, 128) column-major picked, copied to row-major)."""
     for _ in range(rounds):
-        text = compile_args(args).as_text()
-        entry = text[text.find("\nENTRY"):]
-        params = {name: (int(i), dt, lay) for name, dt, lay, i in _PARAM.findall(entry)}
-        via = dict(_ASYNC.findall(entry))
+        entry = hlo.entry(compile_args(args).as_text())
+        params = {i.name: (int(i.rest.split(")")[0]), i.dtype, i.layout) for i in entry
+                  if i.op == "parameter" and i.layout is not None}
+        # memory-space assignment's asynchronous copies (a prefetch) pass an array on
+        via = {i.name: i.operands[0] for i in entry  # unchanged
+               if i.op in ("copy-start", "copy-done") and i.operands}
 
         def source(name):
             while name in via:
@@ -117,7 +115,8 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
             return params.get(name)
 
         moved = {}
-        for dt, lay, src in _COPY_OF.findall(entry):
+        for dt, lay, src in ((i.dtype, i.layout, i.operands[0]) for i in entry
+                             if i.op == "copy" and i.layout is not None and i.operands):
             p = source(src)  # a relayout of a parameter (TPU's "copy" may also convert it)
             if p is not None and dt == p[1] and lay.split("S(")[0] != p[2].split("S(")[0]:
                 moved[p[0]] = _layout(lay)
@@ -190,15 +189,11 @@ def unstacked(fmt: Format) -> Format:
     return Format(Layout(tuple(d - 1 for d in lay.major_to_minor[1:])), fmt.sharding)
 
 
-_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
-
-
 def copies(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of every top-level `copy` in a compiled module's entry computation
     (`compiled.as_text()`): the relayouts XLA planned, each a whole-array read and write."""
-    entry = hlo_text[hlo_text.find("\nENTRY"):]
-    return [(dt, tuple(int(d) for d in dims.split(",") if d))
-            for dt, dims in _COPY.findall(entry)]
+    return [(i.dtype, i.dims) for i in hlo.entry(hlo_text)
+            if i.op == "copy" and i.layout is not None]
 
 
 def layer_axis_major(fmt: Format) -> Format:
