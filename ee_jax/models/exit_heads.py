@@ -363,8 +363,15 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
     rows with slots < 0 get zeros (their final head runs elsewhere: verified exits)."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
     final_h = llama.norm(h, params["final_norm"], cfg)
+    left = slots >= 0
+
+    def tempered(logits):  # each exit row divided by its exit's temperature (final rows: 1)
+        if not temperatures:
+            return logits
+        return logits / jnp.where(left, temperature_at(temperatures, jnp.maximum(slots, 0)),
+                                  1.0)[:, None]
+
     if "output" in heads:  # an exit's own output: one product for each exit some row took
-        left = slots >= 0
         out = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
                            lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
         for e in range(heads["output"].shape[0]):
@@ -373,16 +380,10 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
                 jnp.any(at_e),
                 lambda o, e=e, at_e=at_e: jnp.where(at_e[:, None], _own_output(heads, e, hn, cfg),
                                                     o), lambda o: o, out)
-        return out / jnp.where(left, temperature_at(temperatures, jnp.maximum(slots, 0)),
-                               1.0)[:, None]
+        return tempered(out)
     if "vocab" not in heads:
-        if temperatures:
-            logits = llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final_h), cfg)
-            return logits / jnp.where(slots >= 0, temperature_at(temperatures,
-                                                                 jnp.maximum(slots, 0)),
-                                      1.0)[:, None]
-        return llama.unembed(params, jnp.where((slots >= 0)[:, None], hn, final_h), cfg)
-    ids, left = heads["vocab"], slots >= 0  # [K], [B]
+        return tempered(llama.unembed(params, jnp.where(left[:, None], hn, final_h), cfg))
+    ids = heads["vocab"]  # [K]
     sub = jax.lax.cond(jnp.any(left),
                        lambda: unembed_rows(params, hn, ids, cfg, heads.get("vocab_rows")),
                        lambda: jnp.zeros((h.shape[0], ids.shape[0]), jnp.float32))

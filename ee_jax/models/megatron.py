@@ -325,12 +325,11 @@ class _Stage:
 
     def gate_up(self, *where: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """[gate_r; up_r] on each rank -> (gate, up), each of `shape`."""
-        halves = [np.split(p, 2) if len(p) % 2 == 0 else (p, p)
-                  for p in (_np(self._get(r, where)) for r in range(len(self.lms)))]
-        gate, up = ([h[j] for h in halves] for j in (0, 1))
-        gate = gate[0] if len(gate) == 1 else np.concatenate(gate)  # views when one rank
-        up = up[0] if len(up) == 1 else np.concatenate(up)
-        return self._checked(gate, where, shape), self._checked(up, where, shape)
+        parts = [_np(self._get(r, where)) for r in range(len(self.lms))]
+        gate = [p[:len(p) // 2] for p in parts]  # views of the mapped file
+        up = [p[len(p) // 2:] for p in parts]
+        merge = lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs)  # noqa: E731
+        return self._checked(merge(gate), where, shape), self._checked(merge(up), where, shape)
 
 
 def _layer(stages: list[_Stage], i: int) -> tuple[_Stage, str]:
@@ -382,9 +381,9 @@ _BLOCK = 256  # rows a transposing copy moves at a time (both sides stay in cach
 
 
 def _fill(dst: np.ndarray, src: np.ndarray, transpose: bool) -> None:
-    """dst[...] = src (.T), cast on the way. A whole-matrix strided transpose-and-cast runs
-    at about a fifth of the speed of this blocked one (a 1B model's layers: 9.5 against 2 s
-    on 2 cores)."""
+    """dst[...] = src (.T), cast on the way, in blocks of rows: a whole-matrix strided
+    transpose-and-cast ran at a fifth of the speed (16 x [8192, 2048] fp16 into f32 on this
+    2-core AMD EPYC: 3.0 s against 0.54 s in blocks of 256 rows)."""
     if not transpose:
         dst[...] = src
         return

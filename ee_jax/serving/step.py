@@ -418,7 +418,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
         stage's metadata of those rows (loop-invariant)."""
         s, cache = c
 
-        def with_mid(y, mid):  # the own queries' states after attention, when exits read them
+        def with_mid(mid):  # the own queries' states after attention, when exits read them
             return s.mid if not branch else (mid[:, -1] if z == B
                                              else s.mid.at[:z].set(mid[:, -1]))
 
@@ -426,7 +426,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
             y, mid, cache = paged_layer(params, s.n, s.x[:z], cache, mz, cfg, attention,
                                         with_mid=True)
             return dataclasses.replace(s, n=s.n + 1, x=y if z == B else s.x.at[:z].set(y),
-                                       work=s.work + z, mid=with_mid(y, mid)), cache
+                                       work=s.work + z, mid=with_mid(mid)), cache
         # a pending query runs the layers its token skipped; elsewhere its position is made
         # invalid (>= kv_len): it writes nothing and keeps its state
         lo = P - w
@@ -438,7 +438,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
                                     with_mid=True)
         y = y.at[:, :w].set(jnp.where(runs[..., None], y[:, :w], s.x[:z, lo:P]))
         return dataclasses.replace(s, n=s.n + 1, x=s.x.at[:z, lo:].set(y),
-                                   work=s.work + z, mid=with_mid(y, mid)), cache
+                                   work=s.work + z, mid=with_mid(mid)), cache
 
     def stage(k: int, s: _Loop, smeta: AttentionMetadata, cache: KVCache
               ) -> tuple[_Loop, KVCache]:
