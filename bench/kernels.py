@@ -334,7 +334,7 @@ def collectives(args) -> None:
     rows = []
     for tp in args.tp:
         log(f"compiling tp={tp}")
-        engine = LLMEngine(cfg, params, None, EngineConfig(
+        engine = LLMEngine(cfg, params, None, EngineConfig.make(
             max_num_seqs=B, max_model_len=256, page_size=16, num_pages=B * 16 + 1,
             batch_buckets=(B,), mesh=f"tp={tp}" if tp > 1 else None,
             attention=args.attention))

@@ -37,7 +37,7 @@ def big_ops(hlo: str, min_elements: int) -> list[str]:
 
 def main(argv=None) -> int:
     from ee_jax.serving import aot
-    from ee_jax.serving.engine import EngineConfig
+    from ee_jax.serving.plan import EngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:smollm2-135m")
@@ -46,16 +46,17 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = p.parse_args(argv)
     cfg, ec = aot.plan_model(args.model)
-    config = EngineConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
-                          page_size=16, batch_buckets=tuple(args.batches))
+    config = EngineConfig.make(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+                               page_size=16, batch_buckets=tuple(args.batches))
     target = aot.parse_target(args.target)
     base = aot.Plan.make(cfg, target, config, ec, kinds=("decode",))  # the target's kernel
-    print(f"{args.model} on {args.target}, {base.attention}, {base.num_pages} pages of 16, "
-          f"max_model_len {args.max_model_len}\n")
+    print(f"{args.model} on {args.target}, {base.engine.attention}, {base.engine.num_pages} "
+          f"pages of 16, max_model_len {args.max_model_len}\n")
     print("| pool | program | batch | pages a row | bytes accessed (MB) | temporaries (MB) "
           "| arguments (MB) | pool-sized copies |\n|---|---|---:|---:|---:|---:|---:|---|")
     for head_major in (False, True):
-        plan = dataclasses.replace(base, head_major=None if head_major else False)
+        plan = base if head_major else dataclasses.replace(  # the pool's layout forced
+            base, engine=dataclasses.replace(base.engine, head_major=False))
         for name, e, shape in plan.items():
             if shape.pages not in (min(s.pages for s in plan.shapes),
                                    max(s.pages for s in plan.shapes)):

@@ -403,8 +403,11 @@ def _import_from(tree: Path) -> None:
 def _engine_kwargs(**kw) -> dict:
     """Drop knobs the engine under test does not have (an older `--tree`)."""
     from ee_jax.serving.engine import EngineConfig
+    from ee_jax.serving.scheduler import SchedulerConfig
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "scheduler" in fields:  # the scheduler's knobs are its config's (`EngineConfig.make`)
+        fields |= {f.name for f in dataclasses.fields(SchedulerConfig)}
     return {k: v for k, v in kw.items() if k in fields or k not in ("mixed_steps",)}
 
 

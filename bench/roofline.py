@@ -63,15 +63,9 @@ from bench.common import (
 from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
 from ee_jax.serving import aot, attention_kernels, hlo, layouts
 from ee_jax.serving.attention import AttentionMetadata
-from ee_jax.serving.engine import EngineConfig
-from ee_jax.serving.kv_cache import (
-    KVCache,
-    cache_shape,
-    pad_head_dim,
-    storage_head_dim,
-    write_layer,
-)
+from ee_jax.serving.kv_cache import KERNEL_BACKENDS, KVCache, cache_shape, pad_head_dim, write_layer
 from ee_jax.serving.paged_model import paged_layer
+from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
 from ee_jax.serving.step import FullDepth, checked_layers, model_step
 
@@ -221,10 +215,17 @@ def layer_weight_bytes(cfg) -> float:
     return (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * cfg.jnp_dtype.itemsize
 
 
+@functools.cache
+def engine_of(cfg, target: aot.Target) -> EnginePlan:
+    """The plan of an engine of `cfg` with the default knobs on the target (`plan.engine_plan`):
+    the batch buckets, the attention backend and the pool's layout the roofline models."""
+    return engine_plan(cfg, EngineConfig(), target.platform)
+
+
 def kv_head_dim(cfg, target: aot.Target) -> int:
     """The head_dim the target's cache is stored at (`kv_cache.storage_head_dim`: 128 for
     SmolLM2's 64 on TPU), what its K/V reads and writes move."""
-    return storage_head_dim(cfg.head_dim, target.platform)
+    return engine_of(cfg, target).kv_shape[-1]
 
 
 def hand_layer(cfg, B: int, W: int, kv_itemsize: int | None = None,
@@ -259,7 +260,6 @@ def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None,
 POOL = "layer over the pool (as the step runs it)"
 LAYER = "layer (K/V as input)"
 STAND_IN = "layer, attention by the XLA stand-in"
-KERNEL_PLATFORMS = ("tpu", "cuda")  # where the engine's attention is a Pallas kernel
 
 
 @dataclasses.dataclass
@@ -333,10 +333,11 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     rows' K/V given as an input of the read size [B, W*16, K, hd], plus this token's K/V
     write counted by hand: XLA counts an in-place scatter into the pool as (a multiple of) the
     pool (`write_count_example`), and a page gather as its relayout copies, so both are
-    replaced, never added to. On TPU and CUDA (`KERNEL_PLATFORMS`) the stand-in attention's
-    own count (`attend_rows` compiled alone: its f32 scores and softmax passes go through
-    HBM) is replaced by the kernel's traffic, the rows' pages read once plus q and the
-    output; the stand-in layer stays in `parts` (STAND_IN) for comparison.
+    replaced, never added to. Where the engine's attention is a Pallas kernel (TPU and CUDA,
+    `engine_of`) the stand-in attention's own count (`attend_rows` compiled alone: its f32
+    scores and softmax passes go through HBM) is replaced by the kernel's traffic, the rows'
+    pages read once plus q and the output; the stand-in layer stays in `parts` (STAND_IN)
+    for comparison.
 
     On TPU the weights and the pool are in the entry layouts the compiled full-depth step at
     batch `pin` (default B) picks (`step_formats`: an engine holds one layout per array, so
@@ -388,7 +389,8 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
     q = sds((B, 1, cfg.n_heads, cfg.head_dim), dt)
     attn = cost(lambda q, k, v, m: attend_rows(q, k, v, m, cfg), (q, kv, kv, meta), target)
     kernel = Cost(attn.flops, kv_read + 2 * B * cfg.n_heads * kv_hd * it)
-    layer_xla = stand_in - attn + kernel if target.platform in KERNEL_PLATFORMS else stand_in
+    kernels = engine_of(cfg, target).attention in KERNEL_BACKENDS
+    layer_xla = stand_in - attn + kernel if kernels else stand_in
     layer = layer_xla + Cost(0.0, hl.kv_write)
     # deferred's pending token as a second query a row: what it adds to the layer, plus its
     # own read of the row's K/V (the kernels take each query as a row) and its K/V write
@@ -617,14 +619,14 @@ def main(argv=None) -> int:
             rows = {}
             for B in args.batches:
                 t0 = time.perf_counter()
-                bucket = bucket_of(B, target)
+                bucket = bucket_of(B, cfg, target)
                 try:
                     m = pieces(cfg, ec, bucket, W, target, pin=max(args.batches), rows=B)
                 except Exception as e:  # e.g. the model does not fit one chip's HBM
                     msg = " ".join(str(e).split())[:160]
                     log(f"{model} {target.name} B={B}: FAILED {msg}")
                     checks_lines.append(f"| {model} | {target.name} | "
-                                        f"{batch_label(B, target)} | failed: {msg} "
+                                        f"{batch_label(B, cfg, target)} | failed: {msg} "
                                         f"| | | | | | | |")
                     continue
                 rows[B] = m
@@ -637,7 +639,7 @@ def main(argv=None) -> int:
                 sc = m.copies["step"]
                 step_copies = f" (copies {sc / 1e6:.1f})" if sc >= 5e4 else ""
                 checks_lines.append(
-                    f"| {model} | {target.name} | {batch_label(B, target)} | "
+                    f"| {model} | {target.name} | {batch_label(B, cfg, target)} | "
                     f"{comp.bytes / 1e6:.1f} | "
                     f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
                     f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
@@ -647,12 +649,12 @@ def main(argv=None) -> int:
                 for name, (c, hand) in m.parts.items():
                     cp = m.copies.get(name.split(" (")[0], 0.0)
                     parts_lines.append(f"| {model} | {target.name} | "
-                                       f"{batch_label(B, target)} | {name} | "
+                                       f"{batch_label(B, cfg, target)} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {cp / 1e6:.2f} | "
                                        f"{hand / 1e6:.2f} | {c.bytes / hand:.2f}x |")
                 for name, c in (("first check", m.pieces.first), ("later check", m.pieces.check)):
                     parts_lines.append(f"| {model} | {target.name} | "
-                                       f"{batch_label(B, target)} | {name} | "
+                                       f"{batch_label(B, cfg, target)} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {m.copies[name] / 1e6:.2f} "
                                        f"| | |")
                 log(f"{model} {target.name} B={B}: pieces in {time.perf_counter() - t0:.0f}s; "
@@ -718,13 +720,13 @@ TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full d
               "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|")
 
 
-def bucket_of(B: int, target: aot.Target) -> int:
+def bucket_of(B: int, cfg, target: aot.Target) -> int:
     """The batch bucket the engine pads B rows to on the target (GPU: two rows for one)."""
-    return EngineConfig().scheduler_config(platform=target.platform).batch_bucket(B)
+    return engine_of(cfg, target).scheduler.batch_bucket(B)
 
 
-def batch_label(B: int, target: aot.Target) -> str:
-    bucket = bucket_of(B, target)
+def batch_label(B: int, cfg, target: aot.Target) -> str:
+    bucket = bucket_of(B, cfg, target)
     return str(B) if bucket == B else f"{B} ({bucket} rows)"
 
 
@@ -756,7 +758,7 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
 
         t_an = max(analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target)) / chip.hbm_bytes_per_s,
                    full.flops / chip.peak_flops)
-        out.append(f"| {model} | {chip.name} ({how}) | {batch_label(B, target)} | "
+        out.append(f"| {model} | {chip.name} ({how}) | {batch_label(B, cfg, target)} | "
                    f"{t_full * 1e3:.3f} | {bound} | "
                    f"{t_an * 1e3:.3f} | "
                    f"{forced(half, 'propagate')} | "

@@ -15,14 +15,15 @@ if TYPE_CHECKING:  # what the names are, for type checkers and readers
     from ee_jax.models.config import ModelConfig, RopeScaling
     from ee_jax.models.exit_config import ExitConfig
     from ee_jax.models.loading import LoadedModel, load_model
-    from ee_jax.serving.engine import EngineConfig, LLMEngine
+    from ee_jax.serving.engine import LLMEngine
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
+    from ee_jax.serving.plan import EngineConfig
 
 _EXPORTS = {
     "LLM": "ee_jax.serving.llm",
     "EEJaxError": "ee_jax.errors",
-    "EngineConfig": "ee_jax.serving.engine",
+    "EngineConfig": "ee_jax.serving.plan",
     "ExitConfig": "ee_jax.models.exit_config",
     "InvalidRequestError": "ee_jax.serving.params",
     "LLMEngine": "ee_jax.serving.engine",

@@ -470,7 +470,7 @@ def _compile(args) -> int:
     from tqdm.auto import tqdm
 
     from ee_jax.serving import aot, roofline
-    from ee_jax.serving.engine import EngineConfig
+    from ee_jax.serving.plan import EngineConfig
 
     target = aot.parse_target(args.target)
     cfg, ec = aot.plan_model(args.model, args.dtype)
@@ -480,16 +480,17 @@ def _compile(args) -> int:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
     if ec is not None and args.verify_exits:
         ec = ec.verified(args.max_draft)
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                          page_size=args.page_size, num_pages=args.num_pages,
-                          mesh=args.mesh, attention=args.attention)
+    config = EngineConfig.make(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                               page_size=args.page_size, num_pages=args.num_pages,
+                               mesh=args.mesh, attention=args.attention)
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
     verb = "compiling" if target.compiles else "lowering"
+    engine = plan.engine
     print(f"ee-jax compile: {len(plan)} step programs of {args.model} ({cfg.dtype}) for "
-          f"{target.name} ({target.num_devices} device(s), mesh {plan.mesh_spec}), attention "
-          f"{plan.attention}, KV pool {plan.num_pages} pages of {plan.page_size}",
-          file=sys.stderr)
+          f"{target.name} ({target.num_devices} device(s), mesh {engine.mesh or 'none'}), "
+          f"attention {engine.attention}, KV pool {engine.num_pages} pages of "
+          f"{engine.page_size}", file=sys.stderr)
     chip = target.chip
     head = f"{'program':<20} {'kind':<7} {'batch':>5} {'tokens':>6} {'pages':>5} " \
            f"{'seconds':>7} {'memory GiB':>10} {'roofline ms':>11}  note"

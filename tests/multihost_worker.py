@@ -33,7 +33,7 @@ from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS  # noqa: E402
 
 cfg, params = MODEL
 ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
-engine = LLMEngine(cfg, params, None, EngineConfig(**CONFIG, mesh="tp=4,dp=2"), exit_config=ec)
+engine = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG, mesh="tp=4,dp=2"), exit_config=ec)
 if distributed.is_leader():
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, greedy(NEW))

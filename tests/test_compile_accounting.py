@@ -56,7 +56,7 @@ def slow_compiles(monkeypatch):
 
 def test_a_mid_run_compile_is_left_out_of_decode_time_and_first_tokens(slow_compiles):
     cfg, params = tiny_model(seed=1, eos_token_ids=())
-    engine = LLMEngine(cfg, params, None, EngineConfig(
+    engine = LLMEngine(cfg, params, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=80, max_prefill_chunk=16,
         max_num_batched_tokens=64, batch_buckets=(1, 4), async_scheduling=False))
     walls = {"decode": [], "decode_compiled": []}
@@ -103,7 +103,7 @@ def test_with_async_scheduling_a_compile_is_not_charged_to_the_step_in_flight(sl
     compiles (a new batch size or prompt shape mid-run) holds the host while that step has
     long finished on the device, and none of that wait is the step's."""
     cfg, params = tiny_model(seed=1, eos_token_ids=())
-    engine = LLMEngine(cfg, params, None, EngineConfig(  # (page size 8: shapes of its own,
+    engine = LLMEngine(cfg, params, None, EngineConfig.make(  # (page size 8: shapes of its own,
         max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,  # compiled here)
         max_prefill_chunk=16, max_num_batched_tokens=64, batch_buckets=(1, 4),
         async_scheduling=True))

@@ -39,9 +39,9 @@ def _poisson_requests(rng, n: int, mean_gap: float, max_prompt: int, max_new: in
 
 
 def test_poisson_mixed_run_compiles_nothing_after_precompile():
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8,
-                          max_prefill_chunk=32, max_num_batched_tokens=64,
-                          batch_buckets=(1, 2, 4), mixed_steps=True)
+    config = EngineConfig.make(max_num_seqs=4, max_model_len=64, page_size=8,
+                               max_prefill_chunk=32, max_num_batched_tokens=64,
+                               batch_buckets=(1, 2, 4), mixed_steps=True)
     engine = LLMEngine(CFG, PARAMS, None, config)
     shapes = engine.scheduler.config.step_shapes()
     prefill = [s for s in shapes if s.kind == "prefill"]
@@ -93,7 +93,7 @@ def test_exit_engine_compiles_each_shape_once():
                     measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
                     policy="per_row")
     heads = dict(exit_heads.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
-    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=8, max_prefill_chunk=32,
         batch_buckets=(1, 2, 4)), exit_config=ec, exit_heads=heads)
     prompts = [np.random.default_rng(1).integers(3, CFG.vocab_size, n).tolist()
@@ -112,7 +112,7 @@ def test_exit_engine_compiles_each_shape_once():
 def test_engines_of_one_config_share_their_step_programs():
     """A second engine of the same model, exit settings and attention backend traces and
     compiles nothing the first one did (one jitted step per StepConfig, not per runner)."""
-    config = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, batch_buckets=(1, 2))
+    config = EngineConfig.make(max_num_seqs=2, max_model_len=32, page_size=8, batch_buckets=(1, 2))
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     first = LLMEngine(CFG, PARAMS, None, config)
     for i, p in enumerate(prompts):

@@ -55,7 +55,7 @@ def engine_config(**kw) -> EngineConfig:
                 # controller's choice is tests/test_exit_controller.py's)
                 exit_control=ControllerConfig(mode="exits"))
     base.update(kw)
-    return EngineConfig(**base)
+    return EngineConfig.make(**base)
 
 
 def make_engine(exit_config=None, exit_heads=None, **kw) -> LLMEngine:

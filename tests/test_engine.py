@@ -22,7 +22,7 @@ def make_engine(**kw) -> LLMEngine:
     base = dict(max_num_seqs=8, max_model_len=128, page_size=4, num_pages=200,
                 max_prefill_chunk=16, max_num_batched_tokens=48, batch_buckets=(1, 2, 4, 8))
     base.update(kw)
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base))
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base))
 
 
 _ids = itertools.count()

@@ -29,7 +29,7 @@ def _engine(control: ControllerConfig, threshold: float = 0.0):
     # threshold 0: every row is confident at the first exit (layer 1); 1.0: none ever is
     ec = ExitConfig(exit_layers=(1, 2, 3), measure="max_prob", threshold=threshold,
                     backfill="propagate")
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(2,),
         exit_control=control), ec)
 

@@ -561,7 +561,7 @@ def test_bf16_engine_steps_write_only_the_tokens_slots(monkeypatch):
     cfg, params = cfg.replace(dtype="bfloat16"), llama.cast_params(params, "bfloat16")
     calls = {}
     monkeypatch.setattr(jax, "jit", _SpyJit(jax.jit, calls))
-    engine = LLMEngine(cfg, params, None, EngineConfig(
+    engine = LLMEngine(cfg, params, None, EngineConfig.make(
         max_num_seqs=2, max_model_len=64, page_size=8, num_pages=97, max_prefill_chunk=32,
         max_num_batched_tokens=64, batch_buckets=(2,)),
         ExitConfig(exit_layers=(1, 2), threshold=0.5))

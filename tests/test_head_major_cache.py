@@ -109,10 +109,10 @@ def test_the_kernels_read_a_head_major_pool_without_a_copy():
     assert prims(pool) & copies  # the layer-major pool is copied (what head-major saves)
 
 
-ENGINE = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, num_pages=12,
-                      max_prefill_chunk=16, max_num_batched_tokens=32, batch_buckets=(2,),
-                      attention="xla", async_scheduling=False,
-                      exit_control=ControllerConfig(mode="exits"))
+ENGINE = EngineConfig.make(max_num_seqs=2, max_model_len=32, page_size=8, num_pages=12,
+                           max_prefill_chunk=16, max_num_batched_tokens=32, batch_buckets=(2,),
+                           attention="xla", async_scheduling=False,
+                           exit_control=ControllerConfig(mode="exits"))
 
 
 @pytest.mark.parametrize("backfill", ["deferred", "propagate"])

@@ -100,7 +100,7 @@ def test_persistent_batch_equals_build_from_scratch(seed):
     page = int(rng.choice([1, 2, 4, 8]))
     model_len = int(rng.integers(16, 64))
     pages_per_seq = -(-model_len // page)
-    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=int(rng.integers(1, 9)), max_model_len=model_len, page_size=page,
         num_pages=pages_per_seq + 1 + int(rng.integers(0, 3 * pages_per_seq)),
         max_prefill_chunk=int(rng.choice([1, 4, 16, 32])),
@@ -142,7 +142,7 @@ def make_engine(**kw) -> LLMEngine:
     base = dict(max_num_seqs=4, max_model_len=64, page_size=4, num_pages=200,
                 max_prefill_chunk=16, max_num_batched_tokens=32, batch_buckets=(1, 2, 4))
     base.update(kw)
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base))
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base))
 
 
 def _drive(engine: LLMEngine, arrivals, abort_at) -> dict[str, tuple[list[int], str]]:

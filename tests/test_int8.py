@@ -182,7 +182,7 @@ def test_engine_forced_exit_and_backfill_on_int8():
     runs = [(QPARAMS, None), (quant.dequantize_params(QPARAMS), None)]
     if len(jax.devices()) >= 4:
         runs.append((QPARAMS, "tp=2,dp=2"))
-    engines = [LLMEngine(CFG, p, None, EngineConfig(**engine_config(mesh=mesh)), ec)
+    engines = [LLMEngine(CFG, p, None, EngineConfig.make(**engine_config(mesh=mesh)), ec)
                for p, mesh in runs]
     outs = [run_requests(e, PROMPTS, greedy(MAX_NEW)) for e in engines]
     for other in outs[1:]:

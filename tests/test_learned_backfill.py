@@ -243,7 +243,7 @@ def _engine(ec, heads, mesh=None):
     from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
         mesh=mesh, exit_control=ControllerConfig(mode="exits")), ec, heads)
 

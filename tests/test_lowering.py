@@ -23,7 +23,7 @@ import pytest
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.random_model import random_config
 from ee_jax.serving import aot, attention_kernels
-from ee_jax.serving.engine import EngineConfig
+from ee_jax.serving.plan import EngineConfig, engine_plan
 from ee_jax.serving.scheduler import default_batch_buckets
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -37,13 +37,13 @@ CFG = random_config(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_di
                     ffn_dim=128, n_layers=3, dtype="bfloat16")
 EC = ExitConfig(exit_layers=(1, 2), head="mlp", measure="candidates", adapter_rank=8,
                       vocab_subset=64, threshold=0.9, policy="per_row")
-CONFIG = EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=64,
-                      max_prefill_chunk=32)
+CONFIG = EngineConfig.make(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=64,
+                           max_prefill_chunk=32)
 
 
-def _plan(target: str, attention: str | None = None) -> aot.Plan:
-    plan = aot.Plan.make(CFG, aot.parse_target(target), CONFIG, EC, every_policy=True,
-                         attention=attention)
+def _plan(target: str, attention: str = "auto") -> aot.Plan:
+    plan = aot.Plan.make(CFG, aot.parse_target(target),
+                         dataclasses.replace(CONFIG, attention=attention), EC, every_policy=True)
     # one decode and one prefill shape: every variant, without every bucket
     decode = next(s for s in plan.shapes if s.kind == "decode" and s.batch == 2)
     prefill = next(s for s in plan.shapes if s.kind == "prefill")
@@ -151,8 +151,9 @@ def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
     from ee_jax.serving.kv_cache import KVCache
 
     cfg = dataclasses.replace(CFG, n_heads=9, n_kv_heads=3, head_dim=64)
-    plan = aot.Plan.make(cfg, aot.parse_target("tpu:v5e"), CONFIG, None, kinds=("decode",),
-                         attention="pallas_tpu")
+    plan = aot.Plan.make(cfg, aot.parse_target("tpu:v5e"),
+                         dataclasses.replace(CONFIG, attention="pallas_tpu"), None,
+                         kinds=("decode",))
     runner = plan.runner(None)
     assert runner.cache.k.shape[-1] == 128
     row = aot.build(runner, plan.shapes[0], plan.target, "full")
@@ -179,7 +180,7 @@ def test_smollm2_shaped_decode_compiles_with_pallas_tpu():
 
 def test_every_step_program_lowers_for_cuda_with_the_pallas_gpu_kernel():
     plan = _plan("cuda")
-    assert plan.attention == "pallas_gpu"
+    assert plan.engine.attention == "pallas_gpu"
     runners = {}
     for name, ec, shape in plan.items():
         runner = runners.setdefault(name, plan.runner(ec))
@@ -201,7 +202,7 @@ def test_every_step_program_compiles_for_cuda():
     without one (the Pallas GPU kernel's Triton call compiled to PTX and through ptxas), and
     the fused programs have a cost and a memory analysis."""
     plan = _plan("cuda")
-    assert plan.target.compiles and plan.attention == "pallas_gpu"
+    assert plan.target.compiles and plan.engine.attention == "pallas_gpu"
     rows = list(plan.compile(workers=1))
     assert len(rows) == len(plan) and [r.error for r in rows] == [None] * len(rows)
     for r in rows:
@@ -258,11 +259,12 @@ def test_gpu_steps_run_one_row_at_two():
     one-row request pads to two), one-row steps elsewhere."""
     assert 1 not in {s.batch for s in _full_plan("cuda").shapes}
     assert 1 in {s.batch for s in _full_plan("tpu:v5e").shapes}
-    assert EngineConfig().scheduler_config(platform="gpu").batch_bucket(1) == 2
-    assert EngineConfig().scheduler_config(platform="cpu").batch_bucket(1) == 1
+    for platform, smallest in (("gpu", 2), ("cuda", 2), ("cpu", 1)):
+        plan = engine_plan(CFG, EngineConfig(), platform)
+        assert plan.scheduler.batch_bucket(1) == smallest
     # buckets given are kept as given, on GPU too
-    given = EngineConfig(max_num_seqs=4, batch_buckets=(1, 4))
-    assert given.scheduler_config(platform="gpu").batch_bucket(1) == 1
+    given = EngineConfig.make(max_num_seqs=4, batch_buckets=(1, 4))
+    assert engine_plan(CFG, given, "gpu").scheduler.batch_bucket(1) == 1
 
 
 def _compile(lowered, target: str):
@@ -463,12 +465,12 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
     default layouts copies the embedding whole at the largest batch (what the pick
     removes)."""
     from ee_jax.models import exit_heads
-    from ee_jax.serving.kv_cache import KVCache, cache_shape
+    from ee_jax.serving.kv_cache import KVCache
     from ee_jax.serving.model_runner import ModelRunner
 
     target = aot.parse_target("tpu:v5e")
-    config = EngineConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64,
-                          max_prefill_chunk=32, attention=attention)
+    config = EngineConfig.make(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64,
+                               max_prefill_chunk=32, attention=attention)
     # three kv heads, as SmolLM2's: with one, a [K, hd] window is as good as a row
     cfg = NARROW if attention == "xla" else dataclasses.replace(NARROW, n_kv_heads=3)
     plan = aot.Plan.make(cfg, target, config, NARROW_EC, kinds=("decode",))
@@ -489,11 +491,10 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
         assert big_copies(runner, shape, exits) == [], (shape, exits)
     if attention != "xla":
         return
-    kv = jax.ShapeDtypeStruct(cache_shape(NARROW, plan.num_pages, plan.page_size, "tpu"),
-                              NARROW.jnp_dtype)
+    kv = jax.ShapeDtypeStruct(plan.engine.kv_shape, jnp.dtype(plan.engine.kv_dtype))
     plain = ModelRunner(NARROW, aot.abstract_params(NARROW), KVCache(kv, kv), NARROW_EC,
                         exit_heads.head_shapes(NARROW, NARROW_EC), attention="xla",
-                        max_batch=plan.max_batch, device=runner.devices[0], platform="tpu")
+                        max_batch=plan.engine.max_batch, device=runner.devices[0], platform="tpu")
     assert plain.program.config.cache_format is None
     assert ("bf16", (NARROW.vocab_size, NARROW.d_model)) in \
         big_copies(plain, decode[-1], False)

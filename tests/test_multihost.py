@@ -49,7 +49,7 @@ def _start(port: int, pid: int, cache: str, *extra: str) -> subprocess.Popen:
 def test_two_processes_give_one_process_tokens(xla_cache):
     cfg, params = MODEL
     ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
-    one = LLMEngine(cfg, params, None, EngineConfig(**CONFIG), exit_config=ec)
+    one = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG), exit_config=ec)
     want = [o.token_ids for o in run_requests(one, PROMPTS, greedy(NEW))]
     port = _free_port()
     procs = [_start(port, pid, xla_cache) for pid in (0, 1)]

@@ -102,9 +102,9 @@ def test_the_tpu_kernel_runs_on_a_padded_cache_where_the_narrow_one_falls_back(m
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-ENGINE = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, num_pages=12,
-                      max_prefill_chunk=16, max_num_batched_tokens=32, batch_buckets=(2,),
-                      async_scheduling=False, exit_control=ControllerConfig(mode="exits"))
+ENGINE = EngineConfig.make(max_num_seqs=2, max_model_len=32, page_size=8, num_pages=12,
+                           max_prefill_chunk=16, max_num_batched_tokens=32, batch_buckets=(2,),
+                           async_scheduling=False, exit_control=ControllerConfig(mode="exits"))
 
 
 def test_an_engine_on_a_padded_cache_serves_the_same_tokens(monkeypatch):

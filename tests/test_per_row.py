@@ -355,9 +355,9 @@ def engine():
     """max_prob, global threshold NEVER (requests set their own); one decode program."""
     ec = ExitConfig(exit_layers=EXIT_LAYERS, measure="max_prob", threshold=NEVER,
                     policy="per_row")
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
-                          max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
-                          exit_control=ControllerConfig(mode="exits"))
+    config = EngineConfig.make(max_num_seqs=4, max_model_len=64, page_size=16, num_pages=24,
+                               max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
+                               exit_control=ControllerConfig(mode="exits"))
     return LLMEngine(CFG, PARAMS, None, config, ec, perturbed_heads(ec))
 
 

@@ -27,7 +27,7 @@ FORCED = ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2)
 
 
 def _engine(mesh=None, exit_config=None) -> LLMEngine:
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=2, max_model_len=32, page_size=8, batch_buckets=(1, 2),
         max_num_batched_tokens=16, mesh=mesh), exit_config=exit_config)
 

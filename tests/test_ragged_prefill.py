@@ -30,7 +30,7 @@ def make_engine(**kw) -> LLMEngine:
     base = dict(max_num_seqs=8, max_model_len=160, page_size=4, num_pages=400,
                 max_prefill_chunk=128, max_num_batched_tokens=512, batch_buckets=(1, 2, 4, 8))
     base.update(kw)
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base))
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base))
 
 
 @pytest.fixture(scope="module")

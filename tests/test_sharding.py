@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
 
 
 def _serve(mesh: str | None, ec):
-    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40, max_prefill_chunk=16,
         batch_buckets=(4,), mesh=mesh), exit_config=ec)
     outs = run_requests(engine, PROMPTS, greedy(NEW))
@@ -85,8 +85,8 @@ def test_sharded_engine_equals_one_device(one_device, mesh, policy):
 ])
 def test_bad_meshes_are_refused_clearly(spec, match):
     with pytest.raises(MeshError, match=match):
-        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40,
-                                                  mesh=spec))
+        LLMEngine(CFG, PARAMS, None, EngineConfig.make(max_model_len=64, page_size=4, num_pages=40,
+                                                       mesh=spec))
 
 
 @pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])  # KV heads (2) split, and replicated
@@ -96,7 +96,7 @@ def test_sharded_step_never_gathers_the_cache(mesh):
 
     from ee_jax.serving.model_runner import StepShape
 
-    engine = LLMEngine(CFG, PARAMS, None, EngineConfig(
+    engine = LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=4, num_pages=40, batch_buckets=(4,),
         mesh=mesh))
     r = engine.runner
@@ -141,7 +141,7 @@ def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path)
     prompts = [np.random.default_rng(2).integers(3, cfg.vocab_size, n).tolist() for n in (7, 3)]
     runs = {}
     for mesh in (None, "tp=2"):
-        engine = LLMEngine(cfg, blocked, None, EngineConfig(
+        engine = LLMEngine(cfg, blocked, None, EngineConfig.make(
             max_num_seqs=2, max_model_len=64, page_size=4, num_pages=40, max_prefill_chunk=16,
             batch_buckets=(1, 2), mesh=mesh))
         runs[mesh] = [o.token_ids for o in run_requests(engine, prompts, greedy(NEW))]
@@ -156,15 +156,15 @@ def test_a_mesh_built_by_the_caller_is_the_one_used_and_checked():
     from ee_jax.serving.sharding import placement
 
     mesh = MeshSpec.parse("tp=2,dp=2").make_mesh()
-    config = EngineConfig(max_model_len=64, page_size=4, num_pages=40, mesh="tp=2,dp=2")
+    config = EngineConfig.make(max_model_len=64, page_size=4, num_pages=40, mesh="tp=2,dp=2")
     assert LLMEngine(CFG, PARAMS, None, config, mesh=mesh).mesh is mesh
     where = placement("tp=2,dp=2", mesh)(CFG)
     assert where(("layers", "wq"), 3).mesh is mesh
     with pytest.raises(MeshError, match="not the tp=4,dp=1"):
-        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40,
-                                                  mesh="tp=4"), mesh=mesh)
+        LLMEngine(CFG, PARAMS, None, EngineConfig.make(max_model_len=64, page_size=4, num_pages=40,
+                                                       mesh="tp=4"), mesh=mesh)
     with pytest.raises(MeshError, match=r"EngineConfig\.mesh is None"):
-        LLMEngine(CFG, PARAMS, None, EngineConfig(max_model_len=64, page_size=4, num_pages=40),
+        LLMEngine(CFG, PARAMS, None, EngineConfig.make(max_model_len=64, page_size=4, num_pages=40),
                   mesh=mesh)
 
 

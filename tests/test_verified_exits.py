@@ -59,7 +59,7 @@ def _engine(ec=None, heads=None, **kw) -> LLMEngine:
                 max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(1, 4),
                 attention="reference", exit_control=ControllerConfig(mode="exits"))
     base.update(kw)
-    return LLMEngine(CFG, PARAMS, None, EngineConfig(**base), ec, heads)
+    return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base), ec, heads)
 
 
 # (policy, max_draft, head noise): batch-wide and per-row exits, runs of 1, 3 and 8

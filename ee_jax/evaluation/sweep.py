@@ -176,7 +176,7 @@ def run_sweep(cfg: ModelConfig, params, workloads: Mapping[str, Sequence[Sequenc
         kw = dict(max_num_seqs=B, max_model_len=_round_up(longest + max_tokens + 1, 16),
                   exit_control=ControllerConfig(mode="exits"))
         kw.update(engine_kwargs or {})
-        econf = EngineConfig(**kw)
+        econf = EngineConfig.make(**kw)
         log(f"batch {B}: building {1 + len(pols)} engines (full depth + {', '.join(pols)})")
         engines = {FULL: LLMEngine(cfg, params, tokenizer, econf,
                                    dataclasses.replace(exit_config, policy="never"), heads)}

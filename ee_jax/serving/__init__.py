@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from ee_jax.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from ee_jax.serving.engine import EngineConfig, LLMEngine
+    from ee_jax.serving.engine import LLMEngine
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
+    from ee_jax.serving.plan import EngineConfig
 
 _EXPORTS = {
     "LLM": "ee_jax.serving.llm",
-    "EngineConfig": "ee_jax.serving.engine",
+    "EngineConfig": "ee_jax.serving.plan",
     "InvalidRequestError": "ee_jax.serving.params",
     "LLMEngine": "ee_jax.serving.engine",
     "RequestOutput": "ee_jax.serving.params",

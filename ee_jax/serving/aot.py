@@ -38,16 +38,10 @@ from ee_jax.errors import EEJaxError
 from ee_jax.models import backfill_maps, exit_checkpoint, exit_heads, gguf, llama, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig, uses_maps
-from ee_jax.serving import attention_kernels, compilation, hlo
-from ee_jax.serving.engine import EngineConfig, num_pages_for
-from ee_jax.serving.kv_cache import (
-    KVCache,
-    bytes_per_page,
-    cache_shape,
-    head_major_for,
-    storage_dtype,
-)
-from ee_jax.serving.model_runner import ModelRunner, StepShape, layout_shape
+from ee_jax.serving import compilation, hlo
+from ee_jax.serving.kv_cache import KVCache
+from ee_jax.serving.model_runner import ModelRunner, StepShape
+from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
 from ee_jax.serving.sharding import MeshSpec, cache_sharding
 
 
@@ -450,79 +444,53 @@ def _platform_of(compiled) -> str | None:
 
 @dataclasses.dataclass
 class Plan:
-    """The engine's step programs for one model, config and target."""
+    """The engine's step programs for one model, config and target: the engine's own plan
+    (`plan.engine_plan` on the target's platform, what an engine there would hold), the
+    shapes to build and the exit variants to build them for."""
 
-    cfg: ModelConfig
+    engine: EnginePlan
     target: Target
     shapes: list[StepShape]
     programs: list[tuple[str, ExitConfig | None]]
-    num_pages: int
-    page_size: int
-    attention: str
-    mesh_spec: MeshSpec
-    max_batch: int
-    # the pool's layout: None, the engine's rule (head-major where a Pallas kernel reads it,
-    # `kv_cache.head_major_for`); False forces layer-major (bench/kv_layout.py compares)
-    head_major: bool | None = None
     maps_rank: int = backfill_maps.DEFAULT_RANK  # the fitted maps' rank (back-fills with maps)
 
     @classmethod
     def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
              exit_config: ExitConfig | None = None, *,
-             every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill"),
-             attention: str | None = None) -> Plan:
-        """attention: the backend (default: what "auto" picks on
-        the target: pallas_tpu / pallas_gpu / xla; "reference" under a mesh of several
-        devices, as the engine does)."""
-        spec = MeshSpec.parse(config.mesh)
-        if target.platform != "cpu" and spec.size > target.num_devices:
-            raise TargetError(f"mesh {config.mesh} needs {spec.size} devices but target "
+             every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill")) -> Plan:
+        """The programs an engine of `config` would run on `target`: its step shapes of
+        `kinds`, full depth and `exit_config` (every policy and back-fill: `variants`)."""
+        plan = engine_plan(cfg, config, target.platform)
+        if target.platform != "cpu" and plan.mesh is not None and \
+                plan.mesh.size > target.num_devices:
+            raise TargetError(f"mesh {config.mesh} needs {plan.mesh.size} devices but target "
                               f"{target.name} has {target.num_devices}")
-        if spec.size > 1:
-            spec.validate_for(cfg)
-        name = attention or config.attention
-        if name == "auto" and spec.size > 1:
-            name = "reference"
-        name = attention_kernels.backend_name(name, target.platform)  # on the target
-        sched = config.scheduler_config(name, target.platform)
-        kv_dtype = config.kv_dtype or cfg.dtype
-        platform = "gpu" if target.platform == "cuda" else target.platform
-        pages = num_pages_for(cfg, config, bytes_per_page(cfg, config.page_size, kv_dtype,
-                                                          platform))
-        return cls(cfg, target, sched.step_shapes(kinds), variants(exit_config, every_policy),
-                   pages, config.page_size, name, spec, max(sched.batch_buckets))
+        return cls(plan, target, plan.step_shapes(kinds), variants(exit_config, every_policy))
 
     @property
     def mesh(self) -> Mesh | None:
-        if self.mesh_spec.size <= 1 or self.target.platform == "cuda":
+        """The engine's mesh on the target's devices (none for CUDA, compiled for one chip)."""
+        if self.engine.mesh is None or self.target.platform == "cuda":
             return None
-        return self.mesh_spec.make_mesh(target_devices(self.target))
+        return self.engine.mesh.make_mesh(target_devices(self.target))
 
     def runner(self, ec: ExitConfig | None) -> ModelRunner:
         """The engine's ModelRunner on abstract params, heads and cache, on the target."""
-        cfg, mesh = self.cfg, self.mesh
+        plan, mesh = self.engine, self.mesh
+        cfg = plan.model
         params = abstract_params(cfg)
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         if ec is not None and uses_maps(ec.backfill):
             heads = dict(heads, backfill=backfill_maps.map_shapes(cfg, ec.exit_layers,
                                                                   self.maps_rank))
-        platform = "gpu" if self.target.platform == "cuda" else self.target.platform
-        kv = storage_dtype(cfg.dtype, platform)
-        head_major = mesh is None and head_major_for(self.attention) and \
-            self.head_major is not False  # as the engine's
-        shape = cache_shape(cfg, self.num_pages, self.page_size, platform, head_major)
-        cache = KVCache(jax.ShapeDtypeStruct(shape, kv), jax.ShapeDtypeStruct(shape, kv),
-                        head_major)
-        if mesh is not None:
-            cs = cache_sharding(cfg, mesh)  # one sharding, k and v alike
-            cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cs),
-                                 cache)
+        kv = jax.ShapeDtypeStruct(plan.kv_shape, jnp.dtype(plan.kv_dtype),
+                                  sharding=None if mesh is None else cache_sharding(cfg, mesh))
+        cache = KVCache(kv, kv, plan.head_major)
         devices = target_devices(self.target)
-        return ModelRunner(cfg, params, cache, ec, heads, attention=self.attention,
-                           max_batch=self.max_batch, mesh=mesh,
+        return ModelRunner(cfg, params, cache, ec, heads, attention=plan.attention,
+                           max_batch=plan.max_batch, mesh=mesh,
                            device=devices[0] if devices else jax.devices("cpu")[0],
-                           platform=platform, layout_shape=layout_shape(self.shapes,
-                                                                        ec is not None))
+                           platform=plan.platform, layout_shape=plan.layout_shape(ec is not None))
 
     def __len__(self) -> int:
         return len(self.items())
@@ -665,15 +633,13 @@ def memory(plan: Plan, rows: list[Row]) -> Memory | None:
     divides them), temporaries from the compiled programs (None when none compiled)."""
     if plan.target.chip is None:
         return None
-    cfg, tp = plan.cfg, plan.mesh_spec.tp
-    weights = tree_bytes(abstract_params(cfg)) // tp
-    kv_tp = tp if cfg.n_kv_heads % tp == 0 else 1
-    platform = "gpu" if plan.target.platform == "cuda" else plan.target.platform
-    kv = 2 * int(np.prod(cache_shape(cfg, plan.num_pages, plan.page_size, platform))) * \
-        storage_dtype(cfg.dtype, platform).itemsize // kv_tp
+    engine = plan.engine
+    cfg, mesh = engine.model, engine.mesh or MeshSpec()
+    weights = tree_bytes(abstract_params(cfg)) // mesh.tp
+    kv_tp = mesh.tp if cfg.n_kv_heads % mesh.tp == 0 else 1
+    kv = 2 * int(np.prod(engine.kv_shape)) * jnp.dtype(engine.kv_dtype).itemsize // kv_tp
     temps = [r.temp_bytes for r in rows if r.temp_bytes is not None]
-    return Memory(weights, kv, max(temps, default=0), plan.target.chip.hbm_bytes,
-                  plan.mesh_spec.size)
+    return Memory(weights, kv, max(temps, default=0), plan.target.chip.hbm_bytes, mesh.size)
 
 
 __all__ = ["CHIPS", "KNOWN_TARGETS", "MODEL_SHAPES", "Chip", "Memory", "Plan", "Row",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import sys
 import time
 import zlib
@@ -27,7 +26,6 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import distributed, sharding
-from ee_jax.serving.attention_kernels import backend_name, follows_lengths
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.compilation import (
     ProgramCache,
@@ -35,14 +33,13 @@ from ee_jax.serving.compilation import (
     compiles_on_this_thread,
     pipelined,
 )
-from ee_jax.serving.controller import ControllerConfig, ExitController, exit_predictor
+from ee_jax.serving.controller import ExitController, exit_predictor
 from ee_jax.serving.input_batch import PENDING, InputBatch
-from ee_jax.serving.kv_cache import allocate_cache, bytes_per_page, head_major_for
+from ee_jax.serving.kv_cache import allocate_cache
 from ee_jax.serving.model_runner import (
     ModelRunner,
     StepBatch,
     StepShape,
-    layout_shape,
     unpack_results,
 )
 from ee_jax.serving.params import (
@@ -51,14 +48,8 @@ from ee_jax.serving.params import (
     RequestOutput,
     SamplingParams,
 )
-from ee_jax.serving.scheduler import (
-    Schedule,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    default_batch_buckets,
-)
-from ee_jax.serving.sharding import MeshSpec
+from ee_jax.serving.plan import EngineConfig, engine_plan
+from ee_jax.serving.scheduler import Schedule, Scheduler, Sequence
 from ee_jax.serving.stats import EngineStats
 
 
@@ -80,123 +71,44 @@ class _Launched:
     compile_gap: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Serving knobs (vLLM's names). `num_pages` wins over `kv_cache_gib` when both given."""
-
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_gib: float = 1.0
-    kv_dtype: str | None = None  # default: the model's dtype
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512
-    # rows a step pads to; None: `scheduler.default_batch_buckets` of the platform (from 2
-    # rows on GPU, where XLA's one-row products read their weights ~3x)
-    batch_buckets: tuple[int, ...] | None = None
-    # Prefill and mixed steps' shapes (SchedulerConfig): rows padded to at least one per
-    # prefill_row_tokens packed tokens, page tables of these widths (None: pages_per_seq).
-    prefill_row_tokens: int | None = 64
-    prefill_page_buckets: tuple[int, ...] | None = None
-    # Launch step n+1 before reading step n's tokens (the host never waits for the device).
-    async_scheduling: bool = True
-    # Decode rows join prefill steps (at full depth) instead of waiting for them.
-    mixed_steps: bool = True
-    # Attention backend (ee_jax.serving.attention_kernels): "auto" = the Pallas kernels on
-    # GPU and TPU, the XLA flash-decoding path on CPU; "reference" = the gather oracle.
-    attention: str = "auto"
-    # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
-    # dp (ee_jax.serving.sharding); None: one device.
-    mesh: str | None = None
-    # Exit engines: per batch bucket, whether decode steps run the exit program or the
-    # full-depth one (ee_jax.serving.controller; mode "exits": always the exit program).
-    exit_control: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
-
-    def scheduler_config(self, attention: str | None = None,
-                         platform: str | None = None) -> SchedulerConfig:
-        """The scheduler's config; given the attention backend the steps run (`attention`,
-        resolved on `platform`), decode page tables take one width where its cost follows
-        the rows' lengths (`attention_kernels.follows_lengths`)."""
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-            page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk,
-            batch_buckets=self.batch_buckets or default_batch_buckets(platform),
-            prefill_row_tokens=self.prefill_row_tokens,
-            prefill_page_buckets=self.prefill_page_buckets, mixed_steps=self.mixed_steps,
-            decode_page_ladder=attention is None or not follows_lengths(attention, platform))
-
-
-def num_pages_for(cfg: ModelConfig, config: EngineConfig, per_page: int) -> int:
-    """Pages in the KV pool: `num_pages`, else enough for max_num_seqs sequences of
-    max_model_len (plus the null page) within kv_cache_gib; per_page: bytes of one page."""
-    if config.num_pages is not None:
-        return config.num_pages
-    want = config.max_num_seqs * config.scheduler_config().pages_per_seq + 1
-    return max(2, min(want, int(config.kv_cache_gib * 2**30 // per_page)))
-
-
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
-                 config: EngineConfig = EngineConfig(),
+                 config: EngineConfig | None = None,
                  exit_config: ExitConfig | None = None, exit_heads=None, *,
                  mesh: Mesh | None = None):
         """mesh: the devices `config.mesh` describes, when the caller built them already
         (`LLM` builds one mesh for the loader's placement and the engine)."""
+        config = config or EngineConfig()
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
-        sched_cfg = config.scheduler_config()
-        if config.max_model_len > cfg.max_position:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"context length ({cfg.max_position}); lower max_model_len")
-        kv_dtype = config.kv_dtype or cfg.dtype
-        num_pages = num_pages_for(cfg, config,
-                                  bytes_per_page(cfg, config.page_size, kv_dtype))
-        if num_pages - 1 < sched_cfg.pages_per_seq:
-            raise ValueError(
-                f"the KV cache ({num_pages - 1} usable pages of {config.page_size} tokens) "
-                f"cannot hold one sequence of max_model_len={config.max_model_len}; raise "
-                f"num_pages/kv_cache_gib or lower max_model_len")
-        self.exit_config = exit_config
-        cache_sharding = None
-        if config.mesh:
-            spec = MeshSpec.parse(config.mesh)
-            spec.validate_for(cfg)
-            mesh = spec.make_mesh() if mesh is None else sharding.check_mesh(spec, mesh)
-            cache_sharding = sharding.cache_sharding(cfg, mesh)
-        elif mesh is not None:
+        if mesh is not None and not config.mesh:
             raise sharding.MeshError("a mesh was given but EngineConfig.mesh is None: set "
                                      "mesh='tp=N,dp=M' to the mesh's axes")
-        self.mesh = mesh
-        attention = config.attention
-        if attention == "auto" and mesh is not None and mesh.size > 1:
-            # Sharded: the gather reference keeps the Megatron minimum of collectives; the XLA
-            # path's row gather over a reshaped cache made XLA gather the whole cache per
-            # layer when KV heads are split (`python -m bench.kernels collectives`).
-            attention = "reference"
-        # What the steps are built for, read once here: the backend is resolved on it and both
-        # go into the step's static config (`StepConfig`), never read while tracing.
+        # What the steps are built for, read once here: the plan resolves the backend on it
+        # and both go into the step's static config (`StepConfig`), never read while tracing.
         platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
-        attention = backend_name(attention, platform)
-        sched_cfg = config.scheduler_config(attention, platform)
-        self.blocks = BlockManager(num_pages, config.page_size, sched_cfg.pages_per_seq)
+        self.plan = plan = engine_plan(cfg, config, platform)
+        self.exit_config = exit_config
+        cache_sharding = None
+        if plan.mesh is not None:
+            mesh = plan.mesh.make_mesh() if mesh is None else sharding.check_mesh(plan.mesh, mesh)
+            cache_sharding = sharding.cache_sharding(cfg, mesh)
+        self.mesh = mesh
+        sched_cfg = plan.scheduler
+        self.blocks = BlockManager(plan.num_pages, plan.page_size, sched_cfg.pages_per_seq)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         # the running requests' step inputs, kept across steps (architecture.md section 3)
-        self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
+        self.input_batch = InputBatch(self.blocks, sched_cfg.max_num_seqs,
                                       exit_config.threshold if exit_config else np.inf)
-        # a pool the Pallas kernels read is stored in their layout (kv_cache: head-major)
-        head_major = mesh is None and head_major_for(attention)
         self.runner = ModelRunner(cfg, params,
-                                  allocate_cache(cfg, num_pages, config.page_size, kv_dtype,
-                                                 sharding=cache_sharding,
-                                                 head_major=head_major),
-                                  exit_config, exit_heads, attention=attention,
-                                  max_batch=max(sched_cfg.batch_buckets), mesh=mesh,
-                                  platform=platform,
-                                  layout_shape=layout_shape(sched_cfg.step_shapes(("decode",)),
-                                                            exit_config is not None))
+                                  allocate_cache(cfg, plan.num_pages, plan.page_size,
+                                                 plan.kv_dtype, sharding=cache_sharding,
+                                                 head_major=plan.head_major,
+                                                 platform=plan.platform),
+                                  exit_config, exit_heads, attention=plan.attention,
+                                  max_batch=plan.max_batch, mesh=mesh, platform=plan.platform,
+                                  layout_shape=plan.layout_shape(exit_config is not None))
         # Verified exits (ExitConfig.verify): how many tokens a decode step emits is known
         # only once it is read (drafts, or a verify that keeps a prefix); with overlapped
         # steps the next one is launched as if one token came, and the device takes what a
@@ -243,11 +155,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"forced_tokens has ids outside the vocabulary [0, "
                 f"{self.model_config.vocab_size}): {bad[:8]}")
-        if len(ids) >= self.config.max_model_len:
+        max_len = self.config.scheduler.max_model_len
+        if len(ids) >= max_len:
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but max_model_len is "
-                f"{self.config.max_model_len} (room is needed for at least one new token): "
-                f"shorten the prompt or raise max_model_len")
+                f"the prompt has {len(ids)} tokens but max_model_len is {max_len} (room is "
+                f"needed for at least one new token): shorten the prompt or raise max_model_len")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -367,8 +279,8 @@ class LLMEngine:
             forced = seq.params.forced_tokens
             seq.output_token_ids.append(forced[n] if forced else PENDING)
             seq.inflight_row = r
-            if n + 1 >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len \
-                    or 0 < len(forced) <= n + 1:
+            if n + 1 >= seq.params.max_tokens or 0 < len(forced) <= n + 1 \
+                    or seq.num_tokens >= self.config.scheduler.max_model_len:
                 seq.awaiting_finish = True
         riding = epochs = None
         if self.verify:
@@ -415,7 +327,7 @@ class LLMEngine:
             n = len(seq.output_token_ids)
             last = seq.output_token_ids[-1] if seq.num_draft and not seq.drafting else None
             if (n + 1 >= p.max_tokens
-                    or seq.num_tokens + 1 >= self.config.max_model_len or p.forced_tokens
+                    or seq.num_tokens + 1 >= self.config.scheduler.max_model_len or p.forced_tokens
                     or (last is not None and ((last in self._eos and not p.ignore_eos)
                                               or last in p.stop_token_ids))):
                 batch.threshold[r] = np.inf
@@ -584,7 +496,7 @@ class LLMEngine:
         new_text = seq.text[old_len:]
         if not seq.finished and (n_out >= p.max_tokens or 0 < len(p.forced_tokens) <= n_out
                                  or len(seq.prompt_token_ids) + n_out
-                                 >= self.config.max_model_len):
+                                 >= self.config.scheduler.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason == "length" and seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()  # flush a trailing partial character
@@ -696,4 +608,4 @@ class LLMEngine:
         return self.runner.cache.nbytes
 
     def pages_per_seq(self) -> int:
-        return math.ceil(self.config.max_model_len / self.config.page_size)
+        return self.scheduler.config.pages_per_seq

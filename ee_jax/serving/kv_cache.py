@@ -145,11 +145,13 @@ def bytes_per_page(cfg: ModelConfig, page_size: int, dtype, platform: str | None
 
 
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
-                   sharding=None, head_major: bool = False) -> KVCache:
+                   sharding=None, head_major: bool = False,
+                   platform: str | None = None) -> KVCache:
     """Allocate once, zero-filled, directly on the device (no host copy), in the storage
-    dtype of `dtype` (default: the model's) and the storage head_dim on that device
-    (`storage_dtype`, `storage_head_dim`), head-major if asked (`head_major_for`)."""
-    platform = _platform(sharding)
+    dtype of `dtype` (default: the model's) and the storage head_dim on `platform` (default:
+    that of `sharding`, else the default device's; `storage_dtype`, `storage_head_dim`),
+    head-major if asked (`head_major_for`)."""
+    platform = platform or _platform(sharding)
     dtype = storage_dtype(dtype or cfg.dtype, platform)
     shape = cache_shape(cfg, num_pages, page_size, platform, head_major)
 

@@ -61,7 +61,7 @@ class LLM:
                     engine_kwargs["exit_control"] = dataclasses.replace(
                         control, prior=self.model.shipped_exit_prior(exit_config))
         self.load_time = time.perf_counter() - t0
-        config = EngineConfig(**engine_kwargs)
+        config = EngineConfig.make(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
                                 config, exit_config, exit_heads, mesh=mesh)
         self._counter = 0

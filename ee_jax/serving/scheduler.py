@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Any, Literal
 
+from ee_jax.serving.attention_kernels import follows_lengths
 from ee_jax.serving.block_manager import BlockManager
 from ee_jax.serving.model_runner import QUERY_BLOCK, StepShape, query_blocks
 from ee_jax.serving.params import RequestMetrics, SamplingParams
@@ -107,27 +108,36 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    page_size: int = 16
+    """What steps the scheduler forms: how many rows, how long, in which padded shapes (the
+    engine's config holds one, `EngineConfig.scheduler`). Two fields are the platform's and
+    the attention backend's to decide where left None; the engine plan fills them in
+    (`plan.engine_plan`), and a config used without one reads them as noted."""
+
+    max_num_seqs: int = 32  # requests running at once (rows of a step, at most)
+    max_model_len: int = 2048  # tokens of one request, prompt and output together
+    page_size: int = 16  # tokens a KV page holds
     max_num_batched_tokens: int = 2048  # prefill token budget per step
     max_prefill_chunk: int = 512  # longest chunk of one prompt per step (power of two)
-    batch_buckets: tuple[int, ...] = BATCH_BUCKETS
+    # Rows a step pads to, ascending. None: the platform's (`default_batch_buckets`: from 2
+    # rows on GPU, where XLA's one-row products read their weights ~3x); unplanned, every
+    # one of BATCH_BUCKETS.
+    batch_buckets: tuple[int, ...] | None = None
     min_page_bucket: int = 4  # decode steps' narrowest page table
     # Decode page tables take widths on a ladder (`_next_bucket`, from min_page_bucket), for
     # attention whose cost follows the table's width; False: pages_per_seq alone, for
     # attention whose cost follows the rows' lengths (`attention_kernels.follows_lengths`),
-    # so decode needs one program per batch bucket, not one per width too.
-    decode_page_ladder: bool = True
+    # so decode needs one program per batch bucket, not one per width too. None: as the
+    # attention backend asks (the engine plan decides); unplanned, the ladder.
+    decode_page_ladder: bool | None = None
     # Prefill (and mixed) steps: few shapes, so precompiling them all is cheap (arrivals
     # form prefill and mixed steps of any row count, length and furthest position, which no
     # warm-up by example meets). A step of N packed tokens pads its rows to at least
     # N / prefill_row_tokens (a padded row costs about 2-3 tokens of the step: its slot in
     # the dense layers and the LM head; its attention sees no key), so a step's rows take
-    # few batch buckets; None: every batch bucket. Page tables take these widths, capped at
-    # pages_per_seq (None: pages_per_seq alone). Cost: measured with the prefill benchmark at
-    # ed116cf (`--policies`; docs/architecture.md section 3).
+    # few batch buckets; None: every batch bucket. Cost: measured with the prefill benchmark
+    # at ed116cf (`--policies`; docs/architecture.md section 3).
     prefill_row_tokens: int | None = 64
+    # Prefill steps' page-table widths, capped at pages_per_seq (None: pages_per_seq alone).
     prefill_page_buckets: tuple[int, ...] | None = None
     # Decode rows ride along in a prefill step (at full depth, one token each, within the
     # token budget), so a running request never waits behind a long prompt. With ragged
@@ -138,9 +148,9 @@ class SchedulerConfig:
         if self.max_prefill_chunk & (self.max_prefill_chunk - 1):
             raise ValueError(f"max_prefill_chunk must be a power of two, got "
                              f"{self.max_prefill_chunk}")
-        if self.max_num_seqs > max(self.batch_buckets):
+        if self.max_num_seqs > max(self.buckets):
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) exceeds the largest batch "
-                             f"bucket ({max(self.batch_buckets)})")
+                             f"bucket ({max(self.buckets)})")
         if self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError("max_num_batched_tokens and max_model_len must be positive")
         if self.prefill_row_tokens is not None and self.prefill_row_tokens < 1:
@@ -150,12 +160,27 @@ class SchedulerConfig:
             raise ValueError(f"prefill_page_buckets must be positive widths, got "
                              f"{self.prefill_page_buckets}")
 
+    def planned(self, platform: str, attention: str) -> SchedulerConfig:
+        """This config for steps built for `platform` under attention backend `attention`:
+        the fields left None take the platform's batch buckets and, for decode page tables,
+        one width where the backend's cost follows the rows' lengths, else the ladder."""
+        ladder = self.decode_page_ladder
+        return dataclasses.replace(
+            self, batch_buckets=self.batch_buckets or default_batch_buckets(platform),
+            decode_page_ladder=not follows_lengths(attention, platform) if ladder is None
+            else ladder)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The batch buckets steps pad to: `batch_buckets`, or unplanned BATCH_BUCKETS."""
+        return self.batch_buckets or default_batch_buckets()
+
     @property
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
     def batch_bucket(self, n: int) -> int:
-        return min(b for b in self.batch_buckets if b >= n)
+        return min(b for b in self.buckets if b >= n)
 
     def prefill_batch(self, rows: int, tokens: int) -> int:
         """B of a prefill step of `rows` rows and `tokens` packed tokens: the batch bucket of
@@ -180,7 +205,7 @@ class SchedulerConfig:
         `decode_page_ladder`), prefill steps to
         `prefill_page_buckets` (default: pages_per_seq alone); at most pages_per_seq."""
         pages = math.ceil(num_tokens / self.page_size)
-        if kind == "decode" and not self.decode_page_ladder:
+        if kind == "decode" and self.decode_page_ladder is False:
             return self.pages_per_seq
         if kind == "decode":
             return min(self.pages_per_seq, max(self.min_page_bucket, _next_bucket(pages)))
