@@ -25,6 +25,13 @@ from ee_jax.models.exit_config import (
     ExitConfig,
 )
 
+# Choices of modules that import JAX, which building the parser must not (tests/test_config.py
+# holds them equal to their sources): "auto" and `attention_kernels.BACKENDS`;
+# `controller.MODES`; the exit policies `ee-jax compile` builds programs for, `aot.POLICIES`.
+ATTENTION = ("auto", "reference", "xla", "pallas_gpu", "pallas_tpu")
+CONTROL_MODES = ("auto", "exits", "full")
+AOT_POLICIES = ("all", "per_row")
+
 
 def _read_prompts(args) -> list[dict]:
     """Each prompt as {"prompt": str} or {"messages": [...]}, from args, .txt or .jsonl."""
@@ -160,13 +167,16 @@ def _timing_lines(s, outs) -> list[str]:
 
 
 def _engine_kwargs(args) -> dict:
+    """`EngineConfig.make`'s knobs from the flags a command has (`compile` has those that
+    shape programs; the others keep the config's defaults)."""
     from ee_jax.serving.controller import ControllerConfig
 
-    return dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                page_size=args.page_size, num_pages=args.num_pages, mesh=args.mesh,
-                attention=args.attention, async_scheduling=args.async_scheduling,
-                mixed_steps=args.mixed_steps,
-                exit_control=ControllerConfig(mode=getattr(args, "exit_control", "auto")))
+    kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "page_size",
+                                        "num_pages", "mesh", "attention", "async_scheduling",
+                                        "mixed_steps") if hasattr(args, k)}
+    if hasattr(args, "exit_control"):
+        kw["exit_control"] = ControllerConfig(mode=args.exit_control)
+    return kw
 
 
 def _llm_kwargs(args, model) -> dict:
@@ -324,9 +334,7 @@ def _exit_kwargs(args, model) -> dict:
     if layers is None:
         return {"early_exit": False}  # no trained heads and no exit layers: full depth
     ec = ExitConfig(exit_layers=layers, head=args.exit_head, measure=args.confidence,
-                    threshold=0.9 if args.exit_threshold is None else args.exit_threshold,
-                    policy=overrides["policy"], backfill=overrides.get("backfill", "deferred"),
-                    force_exit_layer=args.draft_layer)
+                    force_exit_layer=args.draft_layer, **overrides)
     return {"exit_config": _verified(ec, args)}
 
 
@@ -418,7 +426,8 @@ def _calibrate(args) -> int:
         tables = served_tables(model, ec, heads, calibration_answers(tc, model),
                                args.thresholds, batch=args.batch)
         backfill = ec.backfill
-    res = served_calibration(tables, tc.target_agreement, tc.calib_delta, command, backfill)
+    res = served_calibration(tables, tc.exit_config.target_agreement, tc.calib_delta, command,
+                             backfill)
     if not args.tables:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
@@ -480,9 +489,7 @@ def _compile(args) -> int:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
     if ec is not None and args.verify_exits:
         ec = ec.verified(args.max_draft)
-    config = EngineConfig.make(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                               page_size=args.page_size, num_pages=args.num_pages,
-                               mesh=args.mesh, attention=args.attention)
+    config = EngineConfig.make(**_engine_kwargs(args))
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
     verb = "compiling" if target.compiles else "lowering"
@@ -542,12 +549,13 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--page-size", type=int, default=16)
     c.add_argument("--num-pages", type=int, default=None)
     c.add_argument("--mesh", default=None, help="e.g. tp=4 (needs that many chips)")
-    c.add_argument("--attention", default="auto", help="auto (pallas_tpu on TPU, pallas_gpu "
-                   "on CUDA; reference under a mesh), xla, reference, pallas_tpu, pallas_gpu")
+    c.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="auto (pallas_tpu on TPU, pallas_gpu on CUDA; reference under a mesh) "
+                   "or a backend")
     c.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
                    help="also the exit programs (the shipped heads' config, scaled to a "
                    "random shape's depth)")
-    c.add_argument("--exit-policy", choices=["all", "per_row"], default="per_row")
+    c.add_argument("--exit-policy", choices=AOT_POLICIES, default=SERVING_POLICY)
     c.add_argument("--every-policy", action="store_true", help="exit programs under every "
                    "policy (all, per_row) and back-fill mode (deferred, propagate), and per_row "
                    "under the back-fills with fitted maps (learned, deferred_learned)")
@@ -610,9 +618,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     d = g.add_argument_group("devices and compilation")
     d.add_argument("--mesh", default=None, help="shard over devices, e.g. 'tp=4,dp=2' (tensor "
                    "parallel over heads, MLP and vocabulary; data parallel over rows)")
-    d.add_argument("--attention", default="auto",
-                   help="attention backend: auto (by platform), xla, reference, pallas_gpu, "
-                   "pallas_tpu")
+    d.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="attention backend: auto (by platform; reference under a mesh) or a "
+                   "backend")
     d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch step n+1 before reading step n's tokens (default on)")
     d.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
@@ -637,7 +645,8 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "exit), e.g. 8,12,16,20,24: untrained norm heads there, unless "
                    "--exit-heads gives trained ones for exactly these layers")
     e.add_argument("--exit-threshold", type=float, default=None,
-                   help="confidence needed to exit, in [0, 1] (default 0.9)")
+                   help="confidence needed to exit, in [0, 1] (default: the heads' own; "
+                   f"untrained heads {ExitConfig.threshold})")
     e.add_argument("--exit-policy", choices=POLICIES,
                    default=None, help="per_row (default): each row exits at its own first "
                    "confident exit; all: the batch exits when every row is confident")
@@ -652,19 +661,19 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    "output is --no-early-exit's; the threshold only sets the speed)")
     e.add_argument("--max-draft", type=int, default=None,
                    help="--verify-exits: the longest run of drafts before it is verified "
-                   "(default: the exit config's, 4)")
+                   f"(default: the exit config's, {ExitConfig.max_draft})")
     e.add_argument("--draft-layer", type=int, default=None,
                    help="draft every token at this exit (of --exit-layers), whatever its "
                    "confidence: LayerSkip's self-speculation (with --verify-exits "
                    "--max-draft N for its num_speculations N)")
-    e.add_argument("--exit-control", choices=["auto", "exits", "full"], default="auto",
+    e.add_argument("--exit-control", choices=CONTROL_MODES, default="auto",
                    help="auto (default): per batch size, run the exit program only where the "
                    "cost model says its checks pay, else full depth; exits: always the exit "
                    "program; full: never")
-    e.add_argument("--confidence", default="max_prob", choices=MEASURES,
+    e.add_argument("--confidence", default=ExitConfig.measure, choices=MEASURES,
                    help="with --exit-layers: the confidence measure of the untrained heads "
                    "(trained heads bring their own)")
-    e.add_argument("--exit-head", default="norm", choices=HEADS,
+    e.add_argument("--exit-head", default=ExitConfig.head, choices=HEADS,
                    help="with --exit-layers: the untrained heads' type (a branch copies its "
                    "layer's MLP, as EE-Tuning starts its exits)")
     e.add_argument("--exit-heads", help="folder of trained exit heads (ee-jax tune); its exit "

@@ -28,21 +28,20 @@ def nested_default(cls, inner: str) -> Any:
 def from_flat(cls, inner: str, settings: Mapping[str, Any]):
     """`cls(**settings)`, where `cls`'s field `inner` holds a frozen config of its own:
     settings that name a field of that config replace it there, in `settings[inner]` when
-    given (that config, or a mapping of its fields) and else in `cls`'s default for it. A
-    name neither class has is refused (TypeError, as a dataclass refuses one), naming the
-    settings both take."""
-    base = settings.get(inner, nested_default(cls, inner))
-    if isinstance(base, Mapping):  # fields of the inner config, over its default
-        base = dataclasses.replace(nested_default(cls, inner), **base)
-    own, theirs = set(field_names(cls)), set(field_names(type(base)))
-    unknown = sorted(set(settings) - own - theirs)
+    given (that config, or a mapping of its fields, over `cls`'s default for it) and else in
+    that default. A name the classes do not have is refused (TypeError, as a dataclass
+    refuses one), with the names they do have."""
+    given = settings.get(inner, nested_default(cls, inner))
+    base = nested_default(cls, inner) if isinstance(given, Mapping) else given
+    own, theirs = set(field_names(cls)) - {inner}, set(field_names(type(base)))
+    mapped = dict(given) if isinstance(given, Mapping) else {}
+    flat = {k: v for k, v in settings.items() if k != inner}
+    unknown = sorted((set(flat) - own - theirs) | (set(mapped) - theirs))
     if unknown:
-        raise TypeError(f"{cls.__name__} has no setting {', '.join(map(repr, unknown))}: "
-                        f"known are {sorted(own - {inner})} and, of {type(base).__name__}, "
-                        f"{sorted(theirs)}")
-    changes = {k: v for k, v in settings.items() if k in theirs}
-    outer = {k: v for k, v in settings.items() if k in own}
-    return cls(**{**outer, inner: dataclasses.replace(base, **changes) if changes else base})
-
+        raise TypeError(f"{cls.__name__}: unknown settings {unknown}; known: {sorted(own)} "
+                        f"and, of {type(base).__name__} ({inner}), {sorted(theirs)}")
+    changes = {**mapped, **{k: v for k, v in flat.items() if k in theirs}}
+    outer = {k: v for k, v in flat.items() if k in own}
+    return cls(**outer, **{inner: dataclasses.replace(base, **changes) if changes else base})
 
 __all__ = ["field_names", "from_flat", "nested_default"]

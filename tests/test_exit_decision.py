@@ -458,9 +458,9 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
             scored &= np.isin(full_top, sub)
         calib[g] = (rows, scored)
     target, delta = 0.75, 0.2
-    tc = TuneConfig(exit_layers=ec.exit_layers, measure="candidates", method="cached",
-                    adapter_rank=8, vocab_subset=len(sub), candidates=4,
-                    target_agreement=target, calib_delta=delta)
+    tc = TuneConfig.make(exit_layers=ec.exit_layers, measure="candidates", method="cached",
+                         adapter_rank=8, vocab_subset=len(sub), candidates=4,
+                         target_agreement=target, calib_delta=delta)
     model = LoadedModel(CFG, params, None, "tiny")
     cal = calibrate_heads(tc, model, tmp_path / "h", progress=False, calib=calib)
 

@@ -1,9 +1,10 @@
 """The package's import graph: no cycles, and layers import downward only.
 
-Layers, lowest first: `ee_jax.errors` (with `ee_jax.files`, atomic writes, and `ee_jax.lazy`,
-package namespaces that import on first use); `ee_jax.models` (with `ee_jax.testing`, tiny
-configs for tests and examples); `ee_jax.serving` (with `ee_jax.random_model`, which builds a
-`LoadedModel` the server can serve); `ee_jax.training`; `ee_jax.evaluation`; `ee_jax.cli`.
+Layers, lowest first: `ee_jax.errors` (with `ee_jax.files`, atomic writes, `ee_jax.lazy`,
+package namespaces that import on first use, and `ee_jax.settings`, configs built from flat
+settings); `ee_jax.models` (with `ee_jax.testing`, tiny configs for tests and examples);
+`ee_jax.serving` (with `ee_jax.random_model`, which builds a `LoadedModel` the server can
+serve); `ee_jax.training`; `ee_jax.evaluation`; `ee_jax.cli`.
 `ee_jax/__init__.py` re-exports the public surface (on first use) and sits on top. A module may
 import its own layer or any lower one. Every import counts, function-level ones included (a
 cycle hidden in a function is still a cycle); imports of ee_jax modules belong at module top,
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "ee_jax"
-LAYERS = {"errors": 0, "files": 0, "lazy": 0, "models": 1, "testing": 1, "serving": 2,
-          "random_model": 2, "training": 3, "evaluation": 4, "cli": 5, "": 6}
+LAYERS = {"errors": 0, "files": 0, "lazy": 0, "settings": 0, "models": 1, "testing": 1,
+          "serving": 2, "random_model": 2, "training": 3, "evaluation": 4, "cli": 5, "": 6}
 LAZY_IMPORTS_ALLOWED = {"ee_jax.cli"}
 
 

@@ -33,13 +33,13 @@ def tiny_tune_config(tmp_path, **kw) -> TuneConfig:
                 work_dir=str(tmp_path / "work"), output=str(tmp_path / "heads"),
                 checkpoint_every=2)
     base.update(kw)
-    return TuneConfig(**base)
+    return TuneConfig.make(**base)
 
 
 def test_tuning_lowers_the_loss_and_leaves_the_backbone_bit_identical(tmp_path):
     tc = tiny_tune_config(tmp_path)
     before = jax.tree.map(np.array, PARAMS)
-    ec = tc.exit_config()
+    ec = tc.exit_config
     loss_fn = jax.jit(lambda h: exit_losses(h, PARAMS, jnp.asarray(ROWS), CFG, ec,
                                             tc.loss_weights())[0])
     initial = float(loss_fn(exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(tc.seed))))
@@ -76,7 +76,7 @@ def test_interrupted_run_resumes_to_the_same_heads(tmp_path):
     for a, b in zip(jax.tree.leaves(whole.heads), jax.tree.leaves(rest.heads), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     ec, heads = load_exit_heads(tc.output, CFG)
-    assert ec == tc.exit_config()
+    assert ec == tc.exit_config
     for a, b in zip(jax.tree.leaves(rest.heads), jax.tree.leaves(heads), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -98,16 +98,19 @@ def test_tune_config_yaml_rejects_unknown_settings(tmp_path):
     with pytest.raises(TuneConfigError, match="not found"):
         TuneConfig.from_yaml(tmp_path / "missing.yaml")
     p.write_text("exit_layers: [1, 2]\nbackfill: copy\n")
-    with pytest.raises(TuneConfigError, match=r"backfill must be one of"):
+    with pytest.raises(TuneConfigError, match=r"unknown backfill 'copy'"):
+        TuneConfig.from_yaml(p)
+    p.write_text("exit_config:\n  exit_layers: [1, 2]\n  epochs: 2\n")  # not an exit setting
+    with pytest.raises(TuneConfigError, match=r"unknown settings \['epochs'\]"):
         TuneConfig.from_yaml(p)
 
 
 def test_everyday_training_requests_change_the_data_key_only_when_asked_for():
-    base = TuneConfig(exit_layers=(1, 2))
-    more = TuneConfig(exit_layers=(1, 2), everyday_train=40)
+    base = TuneConfig.make(exit_layers=(1, 2))
+    more = TuneConfig.make(exit_layers=(1, 2), everyday_train=40)
     assert more.data_key() != base.data_key()
     # settings that do not touch the data keep the cached data
-    assert TuneConfig(exit_layers=(1, 2), epochs=9, backfill="propagate").data_key() == \
+    assert TuneConfig.make(exit_layers=(1, 2), epochs=9, backfill="propagate").data_key() == \
         base.data_key()
     assert len(data.everyday_requests("train", 40)) == 40
 
@@ -115,7 +118,7 @@ def test_everyday_training_requests_change_the_data_key_only_when_asked_for():
 @pytest.mark.parametrize("backfill", ["propagate", "deferred", "learned"])
 def test_tune_config_backfill_reaches_the_exit_config(backfill):
     # the heads are calibrated for one back-fill; the exit_config.json they ship with says it
-    ec = TuneConfig(exit_layers=(1, 2), backfill=backfill).exit_config()
+    ec = TuneConfig.make(exit_layers=(1, 2), backfill=backfill).exit_config
     assert ec.backfill == backfill
 
 
@@ -125,10 +128,10 @@ def test_shipped_preset_parses_and_fits_smollm2():
     smollm2 = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                           head_dim=64, ffn_dim=1536)
     for preset in ("configs/tune-smollm2-135m.yaml", "configs/tune-smollm2-135m-subset.yaml"):
-        TuneConfig.from_yaml(preset).exit_config().validate_for(smollm2)
+        TuneConfig.from_yaml(preset).exit_config.validate_for(smollm2)
     tc = TuneConfig.from_yaml("configs/tune-smollm2-135m-subset.yaml")  # the shipped heads'
     assert tc.output.endswith("ee_jax/assets/smollm2-135m-instruct/exit_heads")
-    assert tc.method == "cached" and tc.exit_config().measure == "candidates"
+    assert tc.method == "cached" and tc.exit_config.measure == "candidates"
 
 
 def test_data_splits_are_disjoint_and_deterministic():
@@ -207,7 +210,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(PARAMS), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     # the loss on the training rows, over the whole vocabulary, went down
-    ec = tc.exit_config()
+    ec = tc.exit_config
     cache = cache_states(CFG, PARAMS, ROWS, ec.exit_layers, 4, progress=False)
     V = CFG.vocab_size
     fin = llama.norm(llama.forward(PARAMS, jnp.asarray(ROWS), CFG, return_hidden=True)[1][-1],
@@ -222,7 +225,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert ec2.measure == "candidates" and heads["vocab"].shape == (64,)
     assert ec2.threshold == res.exit_config.threshold
     assert ec2.threshold == NEVER or 0.0 < ec2.threshold < 1.0
-    assert ec2.backfill == tc.backfill
+    assert ec2.backfill == tc.exit_config.backfill
     # learned back-fill maps fitted and shipped beside the heads, recorded in exit_config.json
     assert heads["backfill"]["a"].shape[-1] == tc.backfill_rank
     record = json.loads((Path(tc.output) / "exit_config.json").read_text())["backfill_maps"]

@@ -54,22 +54,22 @@ class ModelConfig:
         Llama's `weight * x_normed` in the input dtype.
     """
 
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    rms_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
-    max_position: int = 8192
-    dtype: DType = "float32"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = "llama"
+    vocab_size: int  # token ids, the embedding's and the LM head's rows
+    d_model: int  # width of the residual stream
+    n_layers: int  # decoder layers
+    n_heads: int  # query heads per layer
+    n_kv_heads: int  # key/value heads per layer (grouped-query attention: divides n_heads)
+    head_dim: int  # width of one attention head
+    ffn_dim: int  # hidden width of the gated MLP
+    rms_eps: float = 1e-5  # RMSNorm's epsilon under the square root
+    rope_theta: float = 10000.0  # RoPE's base frequency
+    rope_scaling: RopeScaling | None = None  # Llama 3's long-context RoPE scaling; None: none
+    tie_embeddings: bool = False  # the LM head is the embedding's transpose
+    max_position: int = 8192  # the context length the model was trained for, tokens
+    dtype: DType = "float32"  # of the weights and activations
+    bos_token_id: int | None = None  # the tokenizer's begin-of-sequence id, if it has one
+    eos_token_ids: tuple[int, ...] = ()  # ids that end a generation
+    name: str = "llama"  # what the model is called in logs and reports
     # --- family switches (defaults: Llama)
     qkv_bias: bool = False  # Qwen2: biases on q, k and v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE

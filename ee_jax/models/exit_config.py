@@ -101,14 +101,19 @@ class ExitConfig:
     them (free where decode is memory-bound, paid per row where it is compute-bound).
     """
 
-    exit_layers: tuple[int, ...] = ()
+    exit_layers: tuple[int, ...] = ()  # where exits are: after this many layers, increasing
+    # what an exit computes: "norm" (the final norm), "adapter" / "mlp" (a residual MLP of
+    # width adapter_rank before it), "branch" (an MLP of its own on the layer's attention
+    # output, EE-LLM's); each then the model's LM head unless exit_output
     head: HeadType = "norm"
+    # a row's confidence at an exit: the head's top probability, margin, entropy; the
+    # hidden state's saturation; a trained classifier; candidates (a decision MLP, below)
     measure: Measure = "max_prob"
     threshold: float = 0.9
-    min_exit_layer: int = 1
-    policy: Policy = "all"
-    quorum: float = 0.75
-    adapter_rank: int = 64
+    min_exit_layer: int = 1  # exits below this layer are never taken
+    policy: Policy = "all"  # how a batch leaves: "all", "quorum", "per_row" or "never"
+    quorum: float = 0.75  # policy "quorum": the share of active rows done before it leaves
+    adapter_rank: int = 64  # head "adapter" / "mlp": the residual MLP's hidden width
     force_exit_layer: int | None = None
     min_row_bucket: int = 1
     vocab_subset: int = 0
@@ -135,8 +140,8 @@ class ExitConfig:
     # matrix, heads["output"] [E, V, D], instead of the model's LM head. temperatures: one per
     # exit, each exit's logits divided by it (what its training calibrated; () is 1).
     exit_norm: bool = True
-    exit_output: bool = False
-    temperatures: tuple[float, ...] = ()
+    exit_output: bool = False  # each exit its own output matrix (above)
+    temperatures: tuple[float, ...] = ()  # one per exit, its logits' divisor (above)
 
     def __post_init__(self):
         object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))

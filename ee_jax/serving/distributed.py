@@ -43,12 +43,12 @@ class DistributedConfig:
     """Where the coordinator is and who this process is (None: let JAX detect it, as on TPU
     pods and SLURM). `local_cpu_devices` simulates devices on a CPU host (tests)."""
 
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    local_cpu_devices: int | None = None
-    heartbeat_timeout_s: int = 30
-    initialization_timeout_s: int = 120
+    coordinator_address: str | None = None  # "host:port" of process 0's coordinator
+    num_processes: int | None = None  # processes in the job
+    process_id: int | None = None  # this process's rank; 0 is the leader
+    local_cpu_devices: int | None = None  # CPU devices this process simulates (tests)
+    heartbeat_timeout_s: int = 30  # seconds without a heartbeat before a peer counts as lost
+    initialization_timeout_s: int = 120  # seconds to wait for every process to join
 
     @classmethod
     def from_env(cls, **overrides) -> DistributedConfig:

@@ -204,15 +204,15 @@ class StepConfig:
     the process read while tracing, so a cached program is never one traced for another
     platform (a TPU step traced on a CPU host by `aot` is keyed as the TPU's)."""
 
-    model: ModelConfig
-    exit_config: ExitConfig | None
+    model: ModelConfig  # the model the step runs
+    exit_config: ExitConfig | None  # decode steps' exits (None: full depth only)
     # the attention backend, a concrete name ("auto" is resolved on `platform` where the
     # config is built: `attention_kernels.backend_name`)
     attention: str
     # the platform the step is built for ("cpu", "gpu", "tpu"): it decides how the learned
     # back-fill maps are read (`backfill_maps.gathers`) and which backends may run
     platform: str
-    mesh: Mesh | None
+    mesh: Mesh | None  # the devices a sharded step runs on; None: one device
     # TPU without a mesh: the pool's formats (a KVCache of them) the step returns the donated
     # cache in, the ones it took it in (`ModelRunner(layout_shape=...)`); None: the default
     cache_format: Any = None

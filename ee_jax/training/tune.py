@@ -370,7 +370,7 @@ def calibrate_heads(tc: TuneConfig, model, heads_dir: str | Path, progress: bool
                               "calib_code_prompts or calib_everyday in the preset")
     cal = _calibration(cfg, params, ec, heads, calib, tc, progress)
     ec = dataclasses.replace(ec, threshold=cal["threshold"],
-                             target_agreement=tc.target_agreement)
+                             target_agreement=tc.exit_config.target_agreement)
     record = Path(heads_dir) / "tune_config.json"  # kept: save_exit_heads rewrites the folder
     kept = record.read_text() if record.is_file() else None
     maps_info = json.loads((Path(heads_dir) / "exit_config.json").read_text()).get(
@@ -390,6 +390,7 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
     certified threshold; the shipped threshold is the groups' highest
     (`exit_threshold.pick_threshold_groups`). A pooled table is kept for reference."""
     confs, agrees, groups = [], [], {}
+    target = tc.exit_config.target_agreement
     for group, (rows, scored) in calib.items():
         if not scored.any():
             continue
@@ -403,14 +404,14 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
         table = exit_threshold.calibration_table(conf, agree, ec.exit_layers, cfg.n_layers,
                                                  min_exit_layer=ec.min_exit_layer,
                                                  clusters=rows_of)
-        thr = exit_threshold.pick_threshold(table, tc.target_agreement, tc.calib_delta)
+        thr = exit_threshold.pick_threshold(table, target, tc.calib_delta)
         groups[group] = {"threshold": thr,
                          "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),
                          **table.to_json()}
         confs.append(conf)
         agrees.append(agree)
         i = table.thresholds.index(thr) if thr in table.thresholds else None
-        _log(f"{group}: threshold {thr} certified for TF agreement >= {tc.target_agreement} "
+        _log(f"{group}: threshold {thr} certified for TF agreement >= {target} "
              f"with probability >= {1 - tc.calib_delta} on {table.n} answer tokens"
              + ("" if i is None else f" ({table.errors[i]} errors, mean layers "
                 f"{table.mean_layers[i]:.2f})"))
@@ -419,9 +420,9 @@ def _calibration(cfg, params, ec, heads, calib: CalibSet, tc: TuneConfig, progre
                                               min_exit_layer=ec.min_exit_layer)
     thr = exit_threshold.pick_threshold_groups(
         {g: exit_threshold.CalibrationTable.from_json(v) for g, v in groups.items()},
-        tc.target_agreement, tc.calib_delta)
+        target, tc.calib_delta)
     _log(f"calibrated threshold {thr} (the highest of the groups')")
-    return {"delta": tc.calib_delta, "target_agreement": tc.target_agreement,
+    return {"delta": tc.calib_delta, "target_agreement": target,
             "threshold": thr, "rule": "highest of the groups' Learn-then-Test thresholds",
             "calib_agreement_per_exit": agree.mean(1).round(4).tolist(),
             **pooled.to_json(), "groups": groups}
@@ -476,7 +477,7 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
         return tune_cached(tc, model, train=train, held_out=held_out, calib=calib,
                            progress=progress, save=save, t_start=t_start)
     cfg, params = model.config, model.params
-    ec = tc.exit_config()
+    ec = tc.exit_config
     ec.validate_for(cfg)
     if train is None:
         train, held_out = build_data(tc, model, progress)
@@ -572,7 +573,7 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
     cache with restricted-vocabulary KL, then vocabulary subset, decision MLPs and the
     calibrated threshold. No mid-run checkpoints: the cache makes a run short."""
     cfg, params = model.config, model.params
-    ec = tc.exit_config()
+    ec = tc.exit_config
     ec.validate_for(cfg)
     if train is None:
         train, held_out = build_data(tc, model, progress)

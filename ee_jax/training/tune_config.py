@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ee_jax.errors import EEJaxError
 from ee_jax.models import backfill_maps
-from ee_jax.models.exit_config import BACKFILLS, ExitConfig, uses_maps
+from ee_jax.models.exit_config import ExitConfig, ExitConfigError, uses_maps
+from ee_jax.settings import from_flat
 from ee_jax.training.losses import LossWeights
 
 
@@ -21,94 +22,104 @@ class TuneConfigError(EEJaxError, ValueError):
     """A tuning configuration that cannot run."""
 
 
+def _tuned_exits() -> ExitConfig:
+    """What `ee-jax tune` trains where a preset does not say: exits every third layer of
+    SmolLM2's upper 24, residual MLP heads (width 256), a linear confidence classifier."""
+    return ExitConfig(exit_layers=(6, 9, 12, 15, 18, 21, 24, 27), head="mlp", adapter_rank=256,
+                      measure="classifier", threshold=0.8)
+
+
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
-    """Everything a tuning run depends on; a YAML preset fills it (`from_yaml`)."""
+    """Everything a tuning run depends on; a YAML preset fills it (`from_yaml`). The heads'
+    own settings (exit layers, head, measure, default threshold, vocabulary subset, target
+    agreement, back-fill) are an `ExitConfig`'s, `exit_config`; `TuneConfig.make` and
+    presets take them flat beside the others too."""
 
-    model: str = "smollm2-135m-instruct"
-    # heads
-    exit_layers: tuple[int, ...] = (6, 9, 12, 15, 18, 21, 24, 27)
-    head: str = "mlp"
-    adapter_rank: int = 256
-    measure: str = "classifier"
-    threshold: float = 0.8  # default threshold stored with the heads
-    min_exit_layer: int = 1
+    model: str = "smollm2-135m-instruct"  # the frozen backbone: a registry name or a path
+    # the heads trained and saved with it (`threshold`: the one stored with them until
+    # calibration picks one, `target_agreement`: what calibration certifies)
+    exit_config: ExitConfig = dataclasses.field(default_factory=_tuned_exits)
     # data
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per training row (answers and source packed into rows)
     chat_instructions: int = 160  # train instructions the model answers itself
     code_prompts: int = 160  # stdlib function headers the model completes itself
     everyday_train: int = 0  # everyday chat requests ("train" split) the model answers itself
-    gen_max_tokens: int = 96
-    gen_batch: int = 32
+    gen_max_tokens: int = 96  # longest self-generated answer, tokens
+    gen_batch: int = 32  # prompts a self-generation step answers at once
     stdlib_tokens: int = 40_000  # raw standard-library source, tokens
     eval_sequences: int = 8  # held-out stdlib sequences scored at the end
     # optimisation
-    batch_size: int = 2
-    epochs: int = 1
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    kl_weight: float = 1.0
-    ce_weight: float = 0.1
-    classifier_weight: float = 1.0
+    batch_size: int = 2  # rows per optimiser step
+    epochs: int = 1  # passes over the training rows
+    lr: float = 1e-3  # AdamW's peak learning rate (after warm-up, then cosine decay)
+    warmup_steps: int = 10  # steps of linear warm-up from 0 to lr
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    grad_clip: float = 1.0  # global gradient norm clipped to this
+    kl_weight: float = 1.0  # loss weight of KL(final layer || exit) per exit
+    ce_weight: float = 0.1  # loss weight of cross-entropy on the real next token
+    classifier_weight: float = 1.0  # loss weight of the confidence classifier's BCE
     remat: bool = False  # recompute each exit's logits in the backward pass (less memory)
-    seed: int = 0
+    seed: int = 0  # heads' initialisation, data order and self-generation sampling
     # method "cached": the backbone runs once and the heads train on its cached exit states
     method: str = "full"  # "full" | "cached"
-    vocab_subset: int = 0  # K: exit heads score the K most frequent ids (0: all)
-    candidates: int = 8  # measure "candidates": tokens later checks score
     kl_vocab: int = 4096  # restricted vocabulary per batch (real next tokens + teacher top-k)
-    teacher_topk: int = 16
+    teacher_topk: int = 16  # "cached": the teacher's top ids per position in that vocabulary
     calib_instructions: int = 0  # held-apart ("calib" split) instructions the model answers
-    calib_code_prompts: int = 0
+    calib_code_prompts: int = 0  # held-apart function headers the model completes
     calib_everyday: int = 0  # held-apart everyday chat requests (`data.everyday_requests`)
-    target_agreement: float = 0.95
     calib_delta: float = 0.1  # the guarantee holds with probability >= 1 - calib_delta
-    backfill: str = "deferred"  # the back-fill the heads are served (and calibrated) with
     # learned back-fill maps (`backfill_maps`), fitted after the heads on the training rows'
     # dense states and shipped beside them (method "cached"); rank 0: none
     backfill_rank: int = backfill_maps.DEFAULT_RANK
-    backfill_ridge: float = 1e-3
+    backfill_ridge: float = 1e-3  # the maps' ridge penalty (least squares, per layer)
     backfill_tokens: int = 65536  # training tokens the maps are fitted on
     decision_tokens: int = 32768  # training tokens the decision MLPs are fitted on
-    decision_steps: int = 400
+    decision_steps: int = 400  # optimiser steps of the decision MLPs' fit
     # output
-    work_dir: str = "runs/tune-smollm2-135m"
-    output: str = "runs/tune-smollm2-135m/exit_heads"
-    checkpoint_every: int = 20
+    work_dir: str = "runs/tune-smollm2-135m"  # data cache, loss log, checkpoints (resumed)
+    output: str = "runs/tune-smollm2-135m/exit_heads"  # the trained heads' folder
+    checkpoint_every: int = 20  # optimiser steps between checkpoints in work_dir
     max_steps: int | None = None  # cap (tests, smoke runs)
 
     def __post_init__(self):
-        object.__setattr__(self, "exit_layers", tuple(int(e) for e in self.exit_layers))
-        for name in ("seq_len", "batch_size", "epochs", "gen_batch", "adapter_rank"):
+        for name in ("seq_len", "batch_size", "epochs", "gen_batch"):
             if getattr(self, name) <= 0:
                 raise TuneConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TuneConfigError(f"lr must be positive, got {self.lr}")
+        ec = self.exit_config
+        if ec.adapter_rank <= 0:
+            raise TuneConfigError(f"adapter_rank must be positive, got {ec.adapter_rank}")
         if self.method not in ("full", "cached"):
             raise TuneConfigError(f"method must be 'full' or 'cached', got {self.method!r}")
-        if self.method == "cached" and self.measure == "classifier":
+        if self.method == "cached" and ec.measure == "classifier":
             raise TuneConfigError("method 'cached' trains decision MLPs (measure "
                                   "'candidates') or none (a vocabulary measure); the "
                                   "classifier needs method 'full'")
-        if self.method == "full" and (self.vocab_subset or self.measure == "candidates"):
+        if self.method == "full" and (ec.vocab_subset or ec.measure == "candidates"):
             raise TuneConfigError("vocab_subset and measure 'candidates' need method 'cached'")
-        if not 0.0 < self.target_agreement <= 1.0:
-            raise TuneConfigError(f"target_agreement must be in (0, 1], got "
-                                  f"{self.target_agreement}")
         if self.backfill_rank < 0 or self.backfill_tokens <= 0 or self.backfill_ridge < 0:
             raise TuneConfigError(f"backfill_rank must be >= 0, backfill_tokens > 0 and "
                                   f"backfill_ridge >= 0, got {self.backfill_rank}, "
                                   f"{self.backfill_tokens}, {self.backfill_ridge}")
-        if uses_maps(self.backfill) and not self.backfill_rank:
+        if uses_maps(ec.backfill) and not self.backfill_rank:
             raise TuneConfigError("backfill 'learned' needs fitted maps: set backfill_rank > 0")
-        if self.backfill not in BACKFILLS:
-            raise TuneConfigError(f"backfill must be one of {BACKFILLS}, got "
-                            f"{self.backfill!r}")
+
+    @classmethod
+    def make(cls, **settings) -> TuneConfig:
+        """A TuneConfig from flat settings, each a field of TuneConfig or of ExitConfig (over
+        the default `exit_config`; `settings.from_flat`): `TuneConfig.make(exit_layers=(4, 8),
+        epochs=2)`. ExitConfig's errors come as TuneConfigError."""
+        try:
+            return from_flat(cls, "exit_config", settings)
+        except (TypeError, ExitConfigError) as e:
+            raise TuneConfigError(str(e)) from e
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> TuneConfig:
+        """The preset at `path` (a mapping of `make`'s settings; the exit settings flat or
+        under `exit_config:`), with `overrides` that are not None on top."""
         import yaml
 
         path = Path(path)
@@ -118,20 +129,10 @@ class TuneConfig:
         if not isinstance(raw, dict):
             raise TuneConfigError(f"{path}: expected a mapping of settings")
         raw.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise TuneConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-        return cls(**raw)
-
-    def exit_config(self) -> ExitConfig:
-        return ExitConfig(exit_layers=self.exit_layers, head=self.head,
-                          measure=self.measure, threshold=self.threshold,
-                          min_exit_layer=self.min_exit_layer,
-                          adapter_rank=self.adapter_rank, vocab_subset=self.vocab_subset,
-                          candidates=self.candidates,
-                          target_agreement=self.target_agreement,
-                          backfill=self.backfill)
+        try:
+            return cls.make(**raw)
+        except TuneConfigError as e:
+            raise TuneConfigError(f"{path}: {e}") from e
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.kl_weight, self.ce_weight, self.classifier_weight)

@@ -48,14 +48,14 @@ from ee_jax.serving.server.startup import Startup
 class ServerConfig:
     """Safe defaults: localhost only, 1 MiB bodies, prompts that leave room to generate."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str = "ee-jax"
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
+    host: str = "127.0.0.1"  # address to bind; 0.0.0.0 exposes the server
+    port: int = 8000  # TCP port to listen on
+    model_name: str = "ee-jax"  # the model id /v1/models lists and requests send
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1; None: none
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
     max_pending: int = 4096  # engine requests in flight before new ones get 429
-    log_level: str = "warning"
+    log_level: str = "warning"  # uvicorn's log level
     # How long a request that comes while the server starts waits for the engine (seconds)
     # before it gets 503 with Retry-After; 0: at once.
     startup_wait: float = 120.0
