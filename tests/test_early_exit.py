@@ -519,7 +519,7 @@ def test_engine_matches_contiguous_reference(engine_name, request):
     # Every K/V the engine holds for this sequence, back-filled ones included.
     table = engine.blocks.page_table(engine._requests["ref"].seq_id)
     n_pos = len(REF_PROMPT) + REF_NEW - 1
-    ps = engine.config.page_size
+    ps = engine.config.scheduler.page_size
     pages = np.asarray([table[p // ps] for p in range(n_pos)])
     offs = np.arange(n_pos) % ps
     np.testing.assert_allclose(np.asarray(engine.runner.cache.k)[:, pages, offs],

@@ -18,7 +18,7 @@ import pytest
 from ee_jax.models import exit_heads, llama
 from ee_jax.models.exit_config import ExitConfig
 from ee_jax.serving import attention_kernels as ak
-from ee_jax.serving import engine as engine_module
+from ee_jax.serving import plan as plan_module
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
@@ -132,7 +132,7 @@ def test_an_engine_on_a_head_major_pool_serves_the_same_tokens(monkeypatch, back
         return [o.token_ids for o in outs], engine.runner.cache
 
     want, layer_major = serve()
-    monkeypatch.setattr(engine_module, "head_major_for", lambda backend: True)
+    monkeypatch.setattr(plan_module, "head_major_for", lambda backend: True)
     got, pool = serve()
     assert pool.head_major and not layer_major.head_major
     assert got == want

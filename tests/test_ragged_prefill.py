@@ -74,7 +74,7 @@ def test_cache_after_prefill_equals_dense_kv(chunk):
     while any(s.num_computed < len(s.prompt_token_ids) for s in seqs):
         engine.step()
     assert engine.stats.num_decode_steps == 0
-    S = engine.config.page_size
+    S = engine.config.scheduler.page_size
     cache_k, cache_v = np.asarray(engine.runner.cache.k), np.asarray(engine.runner.cache.v)
     for seq, p in zip(seqs, PROMPTS, strict=True):
         table = np.asarray(engine.blocks.page_table(seq.seq_id))

@@ -194,7 +194,7 @@ class _State:
     def attach(self, engine: LLMEngine, idle: Callable[[], bool] | None) -> None:
         """Serve `engine` (the startup's thread calls this once it is built and warm)."""
         _check_engine(engine)
-        mcfg, ecfg = engine.model_config, engine.config
+        mcfg, ecfg = engine.model_config, engine.config.scheduler
         max_prompt = self.config.max_prompt_tokens or ecfg.max_model_len - 1
         self.limits = Limits(max_model_len=ecfg.max_model_len,
                              max_prompt_tokens=min(max_prompt, ecfg.max_model_len - 1),
