@@ -539,7 +539,6 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
     `make run` may serve it) against measured full-depth step times (`bench.common`'s step
     timer, a `ModelRunner` with no exit config: the program `early_exit=False` serves)."""
     from ee_jax.models.llama import cast_params
-    from ee_jax.serving.kv_cache import storage_dtype
 
     target = aot.parse_target("cpu")
     peaks = cpu_peaks()
@@ -556,7 +555,7 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
     for dtype in ("float32", "bfloat16"):
         cfg = dataclasses.replace(cfg32, dtype=dtype)
         params = params32 if dtype == "float32" else cast_params(params32, dtype)
-        kv = storage_dtype(cfg.dtype, "cpu")  # a 16-bit cache is held in f32 on CPU
+        kv = engine_of(cfg, target).kv_dtype  # a 16-bit cache is held in f32 on CPU
         cases, pred = {}, {}
         for B in batches:
             m = pieces(cfg, None, B, W, target, kv_dtype=kv, step=False)  # full depth only
