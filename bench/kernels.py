@@ -3,6 +3,7 @@ collectives of the tensor-parallel step program.
 
     python -m bench.kernels attention [--backends reference xla] [--batches 1 8 32]
     python -m bench.kernels int8 [--random] [--batches 1 8] [--prompts 8] [--new-tokens 32]
+    python -m bench.kernels blocks [--model smollm2-135m-instruct] [--batches 1 8 32]
     python -m bench.kernels collectives [--batch 8] [--tp 1 2 4 8]
 
 attention: SmolLM2-135M's attention shapes (9 query / 3 kv heads of 64, page size 16),
@@ -38,6 +39,12 @@ activations and the rest in bf16 ("int8+bf16"). The int8 weights are quantized f
 
 With `--random` the quality columns compare random models (near-uniform outputs): only
 the weights and speed columns mean anything there.
+
+blocks: a GGUF model's weights (SmolLM2: Q4_1 layers, a Q8_0 tied head) held as the file's
+blocks against dequantized to f32, and each block storage choice: the head as a Q8_0 table
+or in f32; Q4 layer weights one value a byte (what CPU holds: `quant.for_platform`) or two a
+byte (the file's bytes, what TPU and GPU hold). Weight bytes a full-depth decode step reads
+and its time (`speed` above); the same weights bit for bit, so the same tokens.
 
 collectives: simulated CPU devices give no speed figure; what they do give is the program
 XLA would run.
@@ -312,6 +319,78 @@ def int8(args) -> None:
               f"| {q['same']:.2f} | {q['nll']:.3f} |")
 
 
+# --------------------------------------------------------------------------- blocks
+
+
+def block_variants(cfg, params) -> dict:
+    """name -> (config, params) of a GGUF model's storage choices, all the same weights bit
+    for bit."""
+    from ee_jax.models import quant
+
+    dense_head = dict(params, embed=quant.dequantize(params["embed"]))
+    packed = jax.tree.map(lambda a: _repack(a) if isinstance(a, quant.BlockQ) else a, params,
+                          is_leaf=lambda a: isinstance(a, quant.BlockQ))
+    return {"f32 (dequantized)": (cfg, quant.dequantize_params(params)),
+            "blocks, f32 head": (cfg, dense_head),
+            "blocks (CPU: Q4 one value a byte)": (cfg, params),
+            "blocks, Q4 packed (TPU/GPU storage)": (cfg, packed)}
+
+
+def blocks_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF model")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=255)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+
+
+def blocks(args) -> None:
+    """A GGUF model's weights held as the file's blocks against dequantized, and each block
+    storage choice (the tied head as a Q8_0 table or f32; Q4 layer weights one value a byte,
+    as CPU holds them, or packed two a byte, as TPU and GPU do): the weight bytes a
+    full-depth decode step reads and its time on this machine (greedy tokens are the same
+    for all: tests/test_loaders.py, tests/test_smollm2.py)."""
+    from ee_jax.models import quant
+    from ee_jax.models.loading import load_model
+
+    model = load_model(args.model, progress=True)
+    if not quant.has_blocks(model.params):
+        raise SystemExit(f"{args.model} holds no GGUF blocks: `blocks` compares their storage")
+    models = block_variants(model.config, model.params)
+    load = other_load(1.0)
+    saved = quant.UNPACKED_PLATFORMS
+    try:  # the runner holds each variant's storage as given (packed on this CPU too)
+        quant.UNPACKED_PLATFORMS = ()
+        steps = speed(models, args.batches, args.context, args.repeats, args.rounds)
+    finally:
+        quant.UNPACKED_PLATFORMS = saved
+    cols = [f"step ms (B={B})" for B in args.batches]
+    print(f"\n{args.model}, {cpu_model()} ({num_cpus()} CPUs, other processes using "
+          f"{100 * load:.0f}% of them as timing started); full depth, context {args.context}; "
+          f"least over {args.rounds} rounds of the mean of {args.repeats} steps\n")
+    print("| storage | params MiB | layer weights MiB | head MiB | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (4 + len(cols)))
+    for name, (_, prm) in models.items():
+        total, layers, head = (b / 2**20 for b in weight_bytes(prm))
+        sp = " | ".join(f"{1000 * steps[name, B]:.1f}" for B in args.batches)
+        print(f"| {name} | {total:.0f} | {layers:.0f} | {head:.0f} | {sp} |")
+
+
+def _repack(w):
+    """A Q4 block weight held one value a byte back in the file's two a byte (exact)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    if w.packed or w.kind == "Q8_0":
+        return w
+    q = w.q_t.astype(jnp.int32) + (8 if w.kind == "Q4_0" else 0)
+    *lead, out, inp = q.shape
+    q = q.reshape(*lead, out, inp // 32, 2, 16)
+    return dataclasses.replace(w, packed=True, q_t=(q[..., 0, :] | (q[..., 1, :] << 4)).astype(
+        jnp.uint8).reshape(*lead, out, inp // 2))
+
+
 # --------------------------------------------------------------------------- collectives
 
 
@@ -374,7 +453,7 @@ def collectives(args) -> None:
 
 
 COMMANDS = {"attention": (attention_args, attention), "int8": (int8_args, int8),
-            "collectives": (collectives_args, collectives)}
+            "blocks": (blocks_args, blocks), "collectives": (collectives_args, collectives)}
 
 
 def main(argv=None) -> int:

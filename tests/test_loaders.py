@@ -226,13 +226,33 @@ def test_gguf_blocks_are_the_dequantized_weights_bit_for_bit(tmp_path, torch_cpu
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", cfg, params, qtype)
     _, dense = load_gguf(path)
     loaded_cfg, blocked = load_gguf(path, blocks=True)
+    from gguf import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
     for key in quant.QUANTIZED_KEYS:
         w = blocked["layers"][key]
-        assert isinstance(w, quant.BlockQ) and w.q_t.dtype == np.int8
+        assert isinstance(w, quant.BlockQ) and w.kind == qtype.name
         assert (w.offset_t is not None) == (qtype == Q.Q4_1)
         np.testing.assert_array_equal(np.asarray(quant.dequantize(w)),
                                       np.asarray(dense["layers"][key]))
-    assert quant.param_bytes(blocked["layers"]) < 0.4 * quant.param_bytes(dense["layers"])
+        # held at the file's own size: ggml's bytes per block of 32 weights, no more
+        assert w.nbytes == np.prod(w.shape) // block_size * type_size
+        # and as CPU steps read it (one value a byte): the same weight
+        cpu = quant.for_platform(w, "cpu")
+        assert not cpu.packed and cpu.q_t.shape[-1] == w.shape[-2]
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(cpu)),
+                                      np.asarray(dense["layers"][key]))
+        assert quant.for_platform(w, "tpu") is w
+    # the tied head / embedding in the file's blocks too, as the table it is ([V, D])
+    table = blocked["embed"]
+    assert isinstance(table, quant.BlockQ) and table.table and table.shape == dense["embed"].shape
+    assert table.nbytes == np.prod(table.shape) // block_size * type_size
+    for t in (table, quant.for_platform(table, "cpu")):
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(t)),
+                                      np.asarray(dense["embed"]))
+        ids = jnp.asarray([[3, 0], [cfg.vocab_size - 1, 3]])
+        np.testing.assert_array_equal(np.asarray(quant.take_rows(t, ids)),
+                                      np.asarray(dense["embed"])[np.asarray(ids)])
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                  dtype=torch_cpu.float32)
     tokens = tokens_for(cfg)

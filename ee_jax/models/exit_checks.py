@@ -128,10 +128,8 @@ def _score_candidates(params: llama.Params, heads, hn: jax.Array, cand: jax.Arra
     rows = heads.get("vocab_rows")
     if rows is not None:
         w = jnp.take(rows, pos, axis=0)  # [..., k, D]
-    elif cfg.tie_embeddings:
-        w = jnp.take(params["embed"], cand, axis=0)
     else:
-        w = jnp.moveaxis(jnp.take(params["lm_head"], cand, axis=1), 0, -1)  # [..., k, D]
+        w = llama.head_rows(params, cand, cfg)  # [..., k, D]
     return llama.cap_logits(jnp.einsum("...d,...kd->...k", hn, w,
                                        preferred_element_type=jnp.float32), cfg)
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import backfill_maps, llama
+from ee_jax.models import backfill_maps, llama, quant
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import (
     DECISION_HIDDEN,
@@ -94,7 +94,8 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
         heads["branch"] = {"norm": params["layers"]["mlp_norm"][at],
                            **{k: params["layers"][k][at] for k in ("w_gate", "w_up", "w_down")}}
     if ec.exit_output:
-        head = params["embed"] if cfg.tie_embeddings else params["lm_head"].T  # [V, D]
+        head = (quant.dequantize(params["embed"], cfg.jnp_dtype) if cfg.tie_embeddings
+                else params["lm_head"].T)  # [V, D]
         heads["output"] = jnp.broadcast_to(head, (E, *head.shape)).copy()
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
@@ -190,8 +191,7 @@ def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
         return heads
     heads = {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
     ids = jnp.asarray(heads["vocab"])
-    rows = (jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
-            else jnp.take(params["lm_head"], ids, axis=1).T)
+    rows = llama.head_rows(params, ids, cfg)
     if candidate_dtype is None:
         return dict(heads, vocab_rows=rows)
     q, scale = quantize_rows(rows)
@@ -284,9 +284,7 @@ def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: Model
     behind an optimization barrier (fused into the product, the gather became a scalar
     reduction loop on CPU)."""
     if rows is None:
-        rows = jax.lax.optimization_barrier(
-            jnp.take(params["embed"], ids, axis=0) if cfg.tie_embeddings
-            else jnp.take(params["lm_head"], ids, axis=1).T)  # [K, D]
+        rows = jax.lax.optimization_barrier(llama.head_rows(params, ids, cfg))  # [K, D]
     # rows are output-major [K, D], as the tied head is: the product the model's own head
     # uses for them (`quant.out_major_matmul`: E @ x.T at 2-64 rows, 1.7-2x faster on CPU)
     return llama.cap_logits(out_major_matmul(xn, rows, preferred_element_type=jnp.float32), cfg)

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
-from ee_jax.models.quant import QUANTIZED_KEYS, BlockQ
+from ee_jax.models.quant import BLOCK_KINDS, QUANTIZED_KEYS, BlockQ
 
 # GGUF per-layer tensor name -> our key under params["layers"].
 LAYER_TENSORS = {
@@ -202,7 +202,7 @@ def _dequantize(tensor, source: str) -> np.ndarray:
 
 # Block types whose blocks a decode step reads as they are (`quant.BlockQ`): 32 inputs per
 # f16 scale; Q4_1 adds an f16 offset, Q4_0 centres its nibbles at 8.
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_TYPES = BLOCK_KINDS
 
 
 def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -213,36 +213,41 @@ def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
 
 def blocks_from_raw(raw: np.ndarray, kind: str, out: int, inp: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """ggml blocks (uint8, `out` rows of `inp` inputs) -> q int8 [out, in], scale and offset
-    f32 [out, in // 32] (offset None but for Q4_1), with q * scale + offset equal to the
-    `gguf` package's dequantization bit for bit (tests/test_loaders.py). ggml's layouts: Q8_0
-    is (f16 d, 32 x int8); Q4_0 (f16 d, 16 bytes) and Q4_1 (f16 d, f16 m, 16 bytes) hold
-    inputs 0-15 of the block in the low nibbles and 16-31 in the high ones."""
+    """ggml blocks (uint8, `out` rows of `inp` inputs) -> the `quant.BlockQ` fields: q (Q4:
+    the packed nibbles uint8 [out, in // 2]; Q8_0: int8 [out, in]), scale and offset f16
+    [out, in // 32] (offset None but for Q4_1), as the file holds them; what they stand for
+    equals the `gguf` package's dequantization bit for bit (tests/test_loaders.py). ggml's
+    layouts: Q8_0 is (f16 d, 32 x int8); Q4_0 (f16 d, 16 bytes) and Q4_1 (f16 d, f16 m,
+    16 bytes) hold inputs 0-15 of the block in the low nibbles and 16-31 in the high ones."""
     if kind not in BLOCK_TYPES:
         raise ValueError(f"{kind} is not one of the block types {BLOCK_TYPES}")
     raw = np.asarray(raw, np.uint8).reshape(out, inp // 32, -1)
 
     def f16(lo: int) -> np.ndarray:
-        return np.ascontiguousarray(raw[..., lo:lo + 2]).view(np.float16)[..., 0].astype(
-            np.float32)
+        return np.ascontiguousarray(raw[..., lo:lo + 2]).view(np.float16)[..., 0]
 
     if kind == "Q8_0":
-        q = np.ascontiguousarray(raw[..., 2:]).view(np.int8)
-        return q.reshape(out, inp), f16(0), None
+        return np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(out, inp), f16(0), None
     qs = raw[..., 4:] if kind == "Q4_1" else raw[..., 2:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
-    if kind == "Q4_0":
-        q -= 8
-    return q.reshape(out, inp), f16(0), f16(2) if kind == "Q4_1" else None
+    return (np.ascontiguousarray(qs).reshape(out, inp // 2), f16(0),
+            f16(2) if kind == "Q4_1" else None)
+
+
+def _block_q(parts: list, kind: str, table: bool = False) -> BlockQ:
+    """Per-matrix `blocks_from_raw` fields stacked into one `quant.BlockQ` on the device (a
+    `table`: one matrix, unstacked)."""
+    import jax.numpy as jnp
+
+    stack = (lambda a: a[0]) if table else np.stack
+    return BlockQ(*(None if parts[0][i] is None else jnp.asarray(stack([p[i] for p in parts]))
+                    for i in range(3)), kind=kind, packed=kind != "Q8_0", table=table)
 
 
 def block_quantize(w: np.ndarray, kind: str = "Q4_1"):
     """An input-major weight [..., in, out] quantized by the `gguf` package to `kind`, as a
     `quant.BlockQ` (random same-shape weights for benchmarks, where no GGUF travels)."""
-    import jax.numpy as jnp
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-
 
     if kind not in BLOCK_TYPES:
         raise ValueError(f"{kind} is not one of the block types {BLOCK_TYPES}")
@@ -251,10 +256,9 @@ def block_quantize(w: np.ndarray, kind: str = "Q4_1"):
     t = np.swapaxes(w, -1, -2).reshape(-1, out, inp)
     parts = [blocks_from_raw(quantize(m, GGMLQuantizationType[kind]), kind, out, inp)
              for m in t]
-    stack = [None if parts[0][i] is None else
-             jnp.asarray(np.stack([p[i] for p in parts]).reshape(*lead, *parts[0][i].shape))
-             for i in range(3)]
-    return BlockQ(*stack)
+    q = _block_q(parts, kind)
+    return BlockQ(*(None if a is None else a.reshape(*lead, *a.shape[1:])
+                    for a in (q.q_t, q.scale_t, q.offset_t)), kind=kind, packed=q.packed)
 
 
 def _unsupported_type(tensor, source: str) -> UnsupportedModelError:
@@ -462,7 +466,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
     Tensors are dequantized to f32 on the host, Q/K rows un-permuted, Linear weights
     transposed to input-major, then cast to `dtype` as jax arrays. blocks=True: a layer
     matmul weight stored in one of `BLOCK_TYPES` in every layer stays in its blocks
-    (`quant.BlockQ`, dequantized bit-exactly inside the step; a quarter of the bytes).
+    (`quant.BlockQ`, dequantized bit-exactly inside the step; the file's own bytes).
     """
     reader = _open(path)
     source = str(path)
@@ -479,8 +483,10 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
         layer, base = _split_name(t.name)
         if layer is not None and base in tensors:
             types.setdefault(tensors[base], set()).add(t.tensor_type.name)
-    kept = {key for key, ts in types.items()
-            if blocks and key in QUANTIZED_KEYS and len(ts) == 1 and ts <= set(BLOCK_TYPES)}
+    block_kinds = {key: next(iter(ts)) for key, ts in types.items()
+                   if blocks and key in QUANTIZED_KEYS and len(ts) == 1
+                   and ts <= set(BLOCK_TYPES)}
+    kept = set(block_kinds)
     layers = {key: np.empty((L, *param_shapes(cfg)["layers"][key].shape[1:]), np.float32)
               for key in tensors.values() if key not in kept}
     block_parts: dict[str, list] = {key: [None] * L for key in kept}
@@ -488,6 +494,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
     bad_shape: set[str] = set()
     unexpected, misshaped = [], []
     out: Params = {}
+    table_kind = None
     todo = [t for t in reader.tensors if t.name != ROPE_FREQS]
     for t in tqdm(todo, desc=f"dequantizing {Path(source).name}", unit="tensor",
                   file=sys.stderr, disable=None, leave=False):
@@ -510,6 +517,11 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
                 n = cfg.n_heads if name == "attn_q" else cfg.n_kv_heads
                 parts = tuple(None if a is None else unpermute_qk_rows(a, n) for a in parts)
             block_parts[tensors[base]][layer] = parts
+            continue
+        if blocks and base == "token_embd" and t.tensor_type.name in BLOCK_TYPES:
+            # the tied head and the embedding in the file's blocks (`BlockQ.table`)
+            table_kind = t.tensor_type.name
+            out["embed"] = _blocks(t)
             continue
         w = _dequantize(t, source)  # numpy order: [out, in] for weights
         if arch.permuted_qk and name == "attn_q":
@@ -542,13 +554,11 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
                                   "by a converter that does not follow llama.cpp's layout.")
 
     dt = cfg.jnp_dtype
-    params: Params = {k: jnp.asarray(v, dt) for k, v in out.items()}
+    params: Params = {k: _block_q([v], table_kind, table=True) if isinstance(v, tuple)
+                      else jnp.asarray(v, dt) for k, v in out.items()}
     params["layers"] = {k: jnp.asarray(v, dt) for k, v in layers.items()}
     for key, per_layer in block_parts.items():
         if all(p is not None for p in per_layer):  # else check_params names it missing
-            params["layers"][key] = BlockQ(*(
-                None if per_layer[0][i] is None else jnp.asarray(np.stack([p[i] for p in
-                                                                           per_layer]))
-                for i in range(3)))
+            params["layers"][key] = _block_q(per_layer, block_kinds[key])
     check_params(cfg, params, source=source)
     return cfg, params

@@ -39,7 +39,8 @@ from ee_jax.models.quant import (
     QArray,
     is_packed,
     linear,
-    out_major_matmul,
+    table_matmul,
+    take_rows,
 )
 
 Params = dict[str, Any]
@@ -342,10 +343,18 @@ def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
     A tied head is the embedding [V, D], i.e. the head stored output-major: it goes through
     `quant.out_major_matmul` (2-64 rows: E @ x.T, 11-21% faster than x @ E.T on CPU)."""
     if cfg.tie_embeddings:
-        logits = out_major_matmul(xn, params["embed"], preferred_element_type=jnp.float32)
+        logits = table_matmul(xn, params["embed"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.matmul(xn, params["lm_head"], preferred_element_type=jnp.float32)
     return cap_logits(logits, cfg)
+
+
+def head_rows(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The LM head's rows at token ids, [..., D] (output-major, as the tied head is): what
+    the exit heads' candidate and subset logits read."""
+    if cfg.tie_embeddings:
+        return take_rows(params["embed"], ids, cfg.jnp_dtype)
+    return jnp.moveaxis(jnp.take(params["lm_head"], ids, axis=1), 0, -1)
 
 
 def cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -366,7 +375,7 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Token embeddings [..., D]; times sqrt(d_model) (rounded to the model dtype, as
     transformers does) for families with `cfg.embed_scale` (Gemma). `cfg` is required: every
     path into the layers (dense, paged, evaluation, tuning) must scale alike."""
-    x = jnp.take(params["embed"], tokens, axis=0)
+    x = take_rows(params["embed"], tokens, cfg.jnp_dtype)
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
     return x

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
@@ -66,8 +68,9 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     shards as they are read (other formats, and int8 `quantize`, are sharded by the engine
     after loading).
     blocks (GGUF, the default): layer weights stored as Q4_0/Q4_1/Q8_0 stay in the file's
-    blocks (`quant.BlockQ`): bit-identical weights at a quarter of the f32 bytes, dequantized
-    inside each step, so decoding reads less memory. blocks=False, an int8 `quantize` or a
+    blocks (`quant.BlockQ`): bit-identical weights at the file's own size (Q4 one value a
+    byte on CPU, `quant.for_platform`), dequantized inside each step, so decoding reads less
+    memory. blocks=False, an int8 `quantize` or a
     placement: every weight dequantized to `dtype` on the host.
     tokenizer: a tokenizer.json (or a folder holding one, its chat template beside it) to use
     instead of the model's own; a Megatron checkpoint holds none, so it needs one to serve
@@ -87,6 +90,8 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
                                            placement=None if quantize else placement,
                                            blocks=blocks and not quantize and not sharded)
     params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
+    # block weights as this machine's steps read them best (CPU: one value a byte)
+    params = quant.for_platform(params, jax.default_backend())
     given, tokenizer = tokenizer, None
     if given is not None:
         tokenizer = Tokenizer.from_file(given)

@@ -83,30 +83,49 @@ def check_quantize(quantize: str | None) -> str | None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockQ:
-    """A weight kept in a GGUF file's own blocks (Q4_0 / Q4_1 / Q8_0): w = q * scale + offset,
-    one scale (and offset) per `BLOCK` consecutive inputs of each output channel.
+    """A weight kept in a GGUF file's own blocks (Q4_0 / Q4_1 / Q8_0), at the file's size:
+    w = q * scale + offset, one f16 scale (and offset) per `BLOCK` consecutive inputs of each
+    output channel.
 
     Why: a decode step reads every layer weight once, so at a few rows its time is the bytes
-    it reads: 1 + 1/4 per weight (int8 q, f32 scale and offset per 32) instead of 4. The
-    product of an f16 scale and a 4- or 8-bit q is exact in f32, and one rounding then adds
-    the offset, so the weight `block_dequantize` builds inside the step is bit-identical to
-    the f32 array the `gguf` package's dequantization gives: the model served is the file's
-    model, not an approximation of it (unlike `QArray`, which quantizes again). Kept
-    output-major, the file's own order (the `_t` fields; `sharding` reads the suffix)."""
+    it reads. Held as the file holds them: Q4 two values a byte (ggml's order: a block's 16
+    bytes carry its inputs 0-15 in the low nibbles, 16-31 in the high ones), Q8_0 one, and
+    the scales and offsets in f16 -- 0.5625 bytes a weight for Q4_0, 0.625 for Q4_1, 1.0625
+    for Q8_0, against 4 for f32. The product of an f16 scale and a 4- or 8-bit q is exact in
+    f32, and one rounding then adds the offset, so the weight `block_dequantize` builds inside
+    the step is bit-identical to the f32 array the `gguf` package's dequantization gives: the
+    model served is the file's model, not an approximation of it (unlike `QArray`, which
+    quantizes again). Kept output-major, the file's own order (the `_t` fields)."""
 
-    q_t: jax.Array  # int8 [..., out, in]
-    scale_t: jax.Array  # f32 [..., out, in // BLOCK]
-    offset_t: jax.Array | None = None  # f32 [..., out, in // BLOCK] (Q4_1; None otherwise)
+    # packed Q4: uint8 [..., out, in // 2], two values a byte; otherwise int8 [..., out, in],
+    # one value a byte (Q8_0; a Q4 block unpacked for CPU, `for_platform`: Q4_0's centred)
+    q_t: jax.Array
+    scale_t: jax.Array  # f16 [..., out, in // BLOCK]
+    offset_t: jax.Array | None = None  # f16 [..., out, in // BLOCK] (Q4_1; None otherwise)
+    kind: str = dataclasses.field(default="Q8_0", metadata=dict(static=True))  # BLOCK_KINDS
+    # q_t holds two values a byte (a Q4 kind as the file holds it)
+    packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # stands for t itself, [..., rows, in] (a token embedding, the tied LM head), not for the
+    # input-major weight t.T a layer's matmul reads
+    table: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.kind not in BLOCK_KINDS or (self.packed and self.kind == "Q8_0"):
+            raise ValueError(f"BlockQ kind {self.kind!r} (packed={self.packed}) is not one of "
+                             f"{BLOCK_KINDS} (Q8_0 never packed)")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of the weight it stands for, [..., in, out] (what `check_params` reads)."""
-        *lead, out, inp = self.q_t.shape
-        return (*lead, inp, out)
+        """The shape of the array it stands for (what `check_params` reads): [..., in, out],
+        a table's [..., rows, in]."""
+        *lead, out, _ = self.q_t.shape
+        inp = self.scale_t.shape[-1] * BLOCK
+        return (*lead, out, inp) if self.table else (*lead, inp, out)
 
     @property
     def dtype(self):
-        return self.scale_t.dtype
+        """What it dequantizes to."""
+        return jnp.dtype(jnp.float32)
 
     @property
     def nbytes(self) -> int:
@@ -115,18 +134,62 @@ class BlockQ:
 
 
 BLOCK = 32  # inputs per scale in Q4_0 / Q4_1 / Q8_0
+BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF block types a step reads as they are
+
+
+def block_values(w: BlockQ) -> jax.Array:
+    """The blocks' q as f32 [..., out, in // BLOCK, BLOCK] (Q4_0's nibbles centred at 8)."""
+    *lead, out, _ = w.q_t.shape
+    nb = w.scale_t.shape[-1]
+    if not w.packed:
+        return w.q_t.astype(jnp.float32).reshape(*lead, out, nb, BLOCK)
+    p = w.q_t.reshape(*lead, out, nb, BLOCK // 2)
+    q = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(jnp.float32)
+    return q - 8.0 if w.kind == "Q4_0" else q
+
+
+@jax.jit
+def unpack(w: BlockQ) -> BlockQ:
+    """A packed Q4 block weight with one value a byte (int8; Q4_0's centred at 0), the same
+    weight: what XLA's CPU dots read fastest (`for_platform`)."""
+    if not w.packed:
+        return w
+    *lead, out, _ = w.q_t.shape
+    q = block_values(w).astype(jnp.int8).reshape(*lead, out, -1)
+    return dataclasses.replace(w, q_t=q, packed=False)
+
+
+# XLA's CPU backend fuses a one-value-a-byte block's dequantization into a decode step's
+# matrix-vector product, but not a packed Q4 block's nibble unpacking: a packed weight ran
+# 3.5-15x slower there (`python -m bench.kernels blocks`). CPU holds Q4 one value a byte;
+# TPU and GPU read the file's packed bytes.
+UNPACKED_PLATFORMS = ("cpu",)
+
+
+def for_platform(params: Any, platform: str) -> Any:
+    """`params` with each block weight in the storage `platform`'s steps read best (abstract
+    params, `jax.ShapeDtypeStruct` leaves, too: the ahead-of-time compile's)."""
+    if platform not in UNPACKED_PLATFORMS:
+        return params
+
+    def one(a):
+        if not isinstance(a, BlockQ) or not a.packed:
+            return a
+        if isinstance(a.q_t, jax.ShapeDtypeStruct):
+            return jax.eval_shape(unpack, a)
+        return unpack(a)
+    return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, BlockQ))
 
 
 def block_dequantize(w: BlockQ) -> jax.Array:
     """The output-major f32 weight [..., out, in] a `BlockQ` stands for (exact). Inside a
     step XLA fuses this with the layer's slice of the stacked blocks: the f32 weight is
-    written once from a quarter of its bytes, where a plain f32 weight's slice is copied."""
-    *lead, out, inp = w.q_t.shape
-    q = w.q_t.astype(jnp.float32).reshape(*lead, out, inp // BLOCK, BLOCK)
-    t = q * w.scale_t[..., None]
+    written once from the file's bytes, where a plain f32 weight's slice is copied."""
+    t = block_values(w) * w.scale_t.astype(jnp.float32)[..., None]
     if w.offset_t is not None:
-        t = t + w.offset_t[..., None]
-    return t.reshape(*lead, out, inp)
+        t = t + w.offset_t.astype(jnp.float32)[..., None]
+    *lead, out, nb, _ = t.shape
+    return t.reshape(*lead, out, nb * BLOCK)
 
 
 # Output-major products (t [out, in], w = t.T: the tied embedding as the LM head, a GGUF block
@@ -149,6 +212,46 @@ def out_major_matmul(x: jax.Array, t: jax.Array, preferred_element_type=None) ->
     xt = x.reshape(rows, x.shape[-1]).T  # [in, rows]
     y = jax.lax.optimization_barrier(jnp.matmul(t, xt, **kw))  # [out, rows]
     return y.T.reshape(*x.shape[:-1], t.shape[-2])
+
+
+def take_rows(table: jax.Array | BlockQ, ids: jax.Array, dtype=None) -> jax.Array:
+    """table[ids] ([..., in]) for a plain or a block table (`BlockQ.table`): only the rows'
+    blocks are read and dequantized (exact in f32; then in `dtype`, the model's)."""
+    if not isinstance(table, BlockQ):
+        return jnp.take(table, ids, axis=0)
+    rows = BlockQ(jnp.take(table.q_t, ids, axis=0), jnp.take(table.scale_t, ids, axis=0),
+                  None if table.offset_t is None else jnp.take(table.offset_t, ids, axis=0),
+                  kind=table.kind, packed=table.packed, table=True)
+    return block_dequantize(rows).astype(dtype or jnp.float32)
+
+
+# A block table times a few rows ([V, D] Q8_0: the tied head) by vocabulary chunks: one row
+# fuses the dequantization into XLA's matrix-vector product and reads only the blocks (2.8 ->
+# 1.4 ms for SmolLM2's head on a 2-core CPU); several rows would write the f32 table whole
+# first (7 -> 50+ ms), so they take it _TABLE_CHUNKS slices at a time, each slice's f32 small
+# enough to stay in cache (`python -m bench.kernels blocks`).
+_TABLE_CHUNKS = 16
+
+
+def table_matmul(x: jax.Array, table: jax.Array | BlockQ, preferred_element_type=None
+                 ) -> jax.Array:
+    """x [..., in] times table.T ([rows, in]: the tied LM head) -> [..., rows]."""
+    if not isinstance(table, BlockQ):
+        return out_major_matmul(x, table, preferred_element_type=preferred_element_type)
+    rows = math.prod(x.shape[:-1])
+    V = table.q_t.shape[-2]
+    n = max((c for c in range(1, _TABLE_CHUNKS + 1) if V % c == 0), default=1)
+    if rows == 1 or n == 1:
+        return out_major_matmul(x, block_dequantize(table).astype(x.dtype),
+                                preferred_element_type=preferred_element_type)
+    x2 = x.reshape(rows, x.shape[-1])
+    parts = jax.tree.map(lambda a: a.reshape(n, V // n, *a.shape[1:]), table)
+
+    def chunk(t: BlockQ) -> jax.Array:  # [rows, V // n]
+        return jnp.matmul(x2, block_dequantize(t).astype(x.dtype).T,
+                          preferred_element_type=preferred_element_type)
+    y = jax.lax.map(chunk, parts)  # [n, rows, V // n]
+    return jnp.moveaxis(y, 0, 1).reshape(*x.shape[:-1], V)
 
 
 def linear(x: jax.Array, w: jax.Array | QArray | BlockQ) -> jax.Array:
@@ -176,9 +279,13 @@ def quantize_weight(w: jax.Array) -> QArray:
 
 
 def dequantize(w: QArray | BlockQ, dtype=jnp.float32) -> jax.Array:
-    """The input-major weight [..., in, out] an int8 or block weight stands for, in `dtype`."""
+    """The array an int8 or block weight stands for (`.shape`), in `dtype` (a plain array:
+    itself)."""
+    if not is_packed(w):
+        return jnp.asarray(w)
     if isinstance(w, BlockQ):
-        return jnp.swapaxes(block_dequantize(w), -1, -2).astype(dtype)
+        t = block_dequantize(w)
+        return (t if w.table else jnp.swapaxes(t, -1, -2)).astype(dtype)
     return (w.q.astype(jnp.float32) * w.scale[..., None, :]).astype(dtype)
 
 

@@ -423,6 +423,7 @@ class ModelRunner:
         platform = platform or (mesh.devices.flat[0] if mesh is not None else
                                 device or jax.local_devices()[0]).platform
         attention = attention_kernels.backend_name(attention, platform)
+        params = quant.for_platform(params, platform)  # a GGUF's blocks as this target reads
         if exit_config is not None and exit_config.policy == "per_row" and \
                 not compaction_pays(platform):  # one stage: every row runs to the batch's end
             exit_config = dataclasses.replace(exit_config, min_row_bucket=max_batch)
