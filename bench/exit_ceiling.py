@@ -1,5 +1,5 @@
 """How fast can these exit heads be, at best? The honest ideal speed-up per back-fill
-(`exit_cost.step_cost` counts what each decode step really runs) of the oracle exit and of
+(`exit_cost.step_work` counts what each decode step really runs) of the oracle exit and of
 the heads' own decision at TF error budgets, on the held-apart calibration split,
 teacher-forced.
 
@@ -19,14 +19,16 @@ Each packed row of answers is replayed token by token as a row of decode steps: 
 side, per_row, compute-bound: paid per row). Deferred back-fill's pending token (the row's
 previous one, when it left early) rides along as a second query in the layers its row's new
 token runs anyway: memory-bound it costs no weight, compute-bound its arithmetic (from the
-step's lowest pending layer up, for every running row: `exit_cost.step_cost`). All three pay
-the skipped layers' K/V projections (learned: plus its maps). Ideal, not measured: the
-measured figures are `bench.shipped_exits`'s.
+step's lowest pending layer up, for every row of the bucket). A step where any row left
+back-fills every layer from the first exit up, for every row (deferred: two queries a row;
+learned: plus its maps), whatever the rows' exits: `exit_cost.step_work`. Ideal, not
+measured: the measured figures are `bench.shipped_exits`'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -62,11 +64,10 @@ def best_at_budget(conf: np.ndarray, agree: np.ndarray, exit_layers: np.ndarray,
     return best
 
 
-def replay(cm, seqs: list[list[int]], batch: int, backfill: str, kv: float, maps: float
-           ) -> float:
+def replay(cm, ec, seqs: list[list[int]], batch: int) -> float:
     """Full depth over early exit when the answers `seqs` (exit layer per token) are decoded
-    `batch` at a time, each a row of steps (memory-bound at batch 1, compute-bound above);
-    a row's pending token is its previous one."""
+    `batch` at a time under `ec`, each a row of steps (memory-bound at batch 1,
+    compute-bound above); a row's pending token is its previous one."""
     from ee_jax.models import exit_cost
 
     L, regime = cm.n_layers, "memory" if batch == 1 else "compute"
@@ -77,15 +78,17 @@ def replay(cm, seqs: list[list[int]], batch: int, backfill: str, kv: float, maps
             live = [q for q in group if t < len(q)]
             now = [q[t] for q in live]
             pend = [q[t - 1] if t else L for q in live]
-            total += exit_cost.step_cost(cm, now, pend, backfill, regime, kv, maps)
+            total += exit_cost.step_cost(cm, ec, now, pend, regime)
             full += exit_cost.full_step_cost(cm, len(live), regime)
     return full / total if total else 1.0
 
 
-def verified_rows(cm, conf, agree, E, L, row_of, n, threshold, max_drafts) -> list[str]:
+def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]:
     """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
     threshold and the best threshold of a grid, per max_draft."""
     from ee_jax.models import exit_cost
+
+    threshold = ec.threshold
 
     def ceiling(lay, ok, d):
         total = cost_tokens = 0.0
@@ -94,8 +97,8 @@ def verified_rows(cm, conf, agree, E, L, row_of, n, threshold, max_drafts) -> li
             sel = row_of == r
             if not sel.any():
                 continue
-            sp, a, k = exit_cost.verified_sequence_speedup(cm, lay[sel].tolist(),
-                                                           ok[sel].tolist(), d)
+            sp, a, k = exit_cost.verified_sequence_speedup(cm, ec.verified(d), lay[sel].tolist(),
+                                                           ok[sel].tolist())
             total += sel.sum() / sp  # cost in full-depth tokens
             cost_tokens += sel.sum()
             acc += a * k if k else 0
@@ -163,11 +166,13 @@ def main(argv=None) -> int:
     if ec.measure != "candidates":
         raise SystemExit(f"measure {ec.measure!r}: this bench reads the candidate decision")
     L, E = cfg.n_layers, np.asarray(ec.exit_layers)
-    cm = exit_cost.cost_model(cfg, ec)
-    kv = exit_cost.kv_fraction(cfg)
     rank = heads["backfill"]["a"].shape[-1] if "backfill" in heads else 48
-    maps = exit_cost.map_fraction(cfg, rank)
+    cm = exit_cost.cost_model(cfg, ec, maps_rank=rank)
+    kv, maps = cm.fill, cm.maps
     modes = [(bf, b) for bf in ("deferred", "propagate", "learned") for b in (1, 8)]
+    # batch 1: one row, whatever the policy; batch 8: each row at its own exit
+    mode_ec = {(bf, b): dataclasses.replace(ec, backfill=bf, policy="per_row")
+               for bf, b in modes}
     log(f"calibration split of {args.config} (self-generated answers, cached in {tc.work_dir})")
     groups = calibration_rows(tc, model)
     verified: dict[str, list[str]] = {}
@@ -204,20 +209,19 @@ def main(argv=None) -> int:
         for name, th, lay, wrong in found:
             seqs = [lay[row_of == r].tolist() for r in range(n)]
             seqs = [q for q in seqs if q]
-            ideal = [replay(cm, seqs, b, bf, kv, maps) for bf, b in modes]
+            ideal = [replay(cm, mode_ec[bf, b], seqs, b) for bf, b in modes]
             lines.append(f"| {g} | {len(lay)} | {name} | {th} | {1 - wrong:.3f} | "
                          f"{lay.mean():.2f} | {np.mean(lay < L):.0%} | "
                          + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
-        verified[g] = verified_rows(cm, conf, agree, E, L, row_of, n, ec.threshold,
-                                    args.max_drafts)
+        verified[g] = verified_rows(cm, ec, conf, agree, E, L, row_of, n, args.max_drafts)
     lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
               "by side, per_row, compute-bound (per row). Deferred: the pending token rides "
               "along in the layers the new token runs (memory-bound: no weight more; "
               "compute-bound: a second query a row from the step's lowest pending layer up). "
-              f"All: the skipped layers' K/V "
-              f"projections ({kv:.3f} of a layer each; learned + {maps:.3f} for its rank-"
-              f"{rank} maps)."]
+              f"A step where a row left projects the K/V of every layer from the first exit "
+              f"up ({kv:.3f} of a layer each, a query; learned + {maps:.3f} for its rank-"
+              f"{rank} maps), for every row, whatever the exits (`exit_cost.step_work`)."]
     lines += ["", "#### Verified exits (lossless): the ceiling per draft rule and max_draft", "",
               "Batch 1, memory-bound: a draft step costs its exit's layers, checks and exit "
               "head; a verify step every layer, the checks and the final head (the run rides "

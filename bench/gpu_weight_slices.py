@@ -92,7 +92,7 @@ def main(argv=None) -> int:
           f"fusions | pieces MB |\n|---:|---|---:|---:|---:|---:|")
     for B in args.batches:
         m = pieces(cfg, None, B, W, target, step=True)
-        fixed = m.pieces.fixed.bytes
+        fixed = m.pieces.fixed.bytes + m.pieces.final_head.bytes
         pool_layer = m.parts["layer over the pool (as the step runs it)"][0].bytes
         params, cache, tokens, meta, th = step_args(cfg, B, W, None, "cuda")
         rest = {k: v for k, v in params.items() if k != "layers"}

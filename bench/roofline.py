@@ -12,10 +12,11 @@ input of the read size, plus this token's K/V write counted by hand (XLA counts 
 scatter by its pool, and a page gather by its relayout copies: both replaced, see `pieces`);
 on TPU and CUDA, where the engine attends with a Pallas kernel XLA cannot see into,
 attention's core counted as the kernel moves it (the rows' pages once, q and the output) in
-place of the XLA stand-in's own count; the fixed part (embed, final head, greedy pick); an
-exit check (first and later); one layer's back-fill (`llama.kv_project`).
-`ee_jax.serving.roofline` composes them into a step, weighted by an exit histogram, and
-predicts max(flops / peak, bytes / bandwidth) with published peaks.
+place of the XLA stand-in's own count; the fixed part (embed); the final head and the exit
+head (each with the greedy pick); an exit check (first and later); one layer's back-fill
+(`llama.kv_project`). `ee_jax.serving.roofline` prices what a step runs of each
+(`exit_cost.step_work`, weighted by an exit histogram) and predicts max(flops / peak, bytes
+/ bandwidth) with published peaks.
 
 On TPU every piece runs with the weights and the KV pool in the entry layouts the compiled
 full-depth step at the largest batch picks (`step_formats`: Layout.AUTO, settled), the exit
@@ -61,13 +62,14 @@ from bench.common import (
     time_steps,
 )
 from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
+from ee_jax.models.exit_cost import Count, step_work
 from ee_jax.serving import aot, attention_kernels, hlo, layouts
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KERNEL_BACKENDS, KVCache, cache_shape, pad_head_dim, write_layer
 from ee_jax.serving.paged_model import paged_layer
 from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
-from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, seconds
-from ee_jax.serving.step import FullDepth, checked_layers, model_step
+from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, per_unit, seconds
+from ee_jax.serving.step import FullDepth, model_step
 
 PAGE = 16
 # Row exit histograms of the shipped SmolLM2 default at batch 1 (back-fill deferred_learned at
@@ -258,6 +260,7 @@ def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None,
 
 
 POOL = "layer over the pool (as the step runs it)"
+FIXED = "fixed (embedding) + final head"
 LAYER = "layer (K/V as input)"
 STAND_IN = "layer, attention by the XLA stand-in"
 
@@ -399,19 +402,20 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                              meta2), target)
     ride = layer2 - layer_xla + Cost(0.0, kv_read + hl.kv_write)
 
-    # The fixed part: the head on the last hidden state (XLA's count), and the embedding
-    # lookup of B tokens counted by hand (B rows) plus the relayout copies its compile holds:
-    # XLA's CPU cost analysis counts a B >= 2 row gather by the whole table (SmolLM2 f32,
-    # batch 8: 113 MB for 18 kB), while on TPU a copy of the table before the gather is real.
-    head = cost(lambda p, x: jnp.argmax(llama.final_head(p, x, cfg), axis=-1),
-                (params, sds((B, cfg.d_model), dt)), target)
+    # The fixed part: the embedding lookup of B tokens counted by hand (B rows) plus the
+    # relayout copies its compile holds: XLA's CPU cost analysis counts a B >= 2 row gather by
+    # the whole table (SmolLM2 f32, batch 8: 113 MB for 18 kB), while on TPU a copy of the
+    # table before the gather is real. The final head on the last hidden state with the
+    # greedy pick (XLA's count) is a piece of its own: a step whose rows all left skips it.
+    final_head = cost(lambda p, x: jnp.argmax(llama.final_head(p, x, cfg), axis=-1),
+                      (params, sds((B, cfg.d_model), dt)), target)
     tokens = sds((B, 1), jnp.int32)
     _, fixed_copies = cost_and_copies(lambda p, t: llama.embed(p, t, cfg), (params, tokens),
                                       target)
-    fixed = head + Cost(0.0, B * cfg.d_model * it + fixed_copies)
+    fixed = Cost(0.0, B * cfg.d_model * it + fixed_copies)
     fill = cost(lambda lp, h, pos: llama.kv_project(lp, h, pos, cfg1), (lp, x, pos), target) \
         + Cost(0.0, hl.kv_write)
-    first = later = Cost(0.0, 0.0)
+    first = later = exit_head = Cost(0.0, 0.0)
     first_copies = later_copies = 0.0
     if ec is not None:
         heads = jax.eval_shape(lambda p, h: exit_heads.with_vocab_rows(p, h, cfg),
@@ -436,8 +440,12 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
                                               target)
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
                                               target)
+        exit_head = cost(exit_head_fn(cfg), (params, heads, sds((B,), jnp.int32), h), target)
+        if "vocab" in heads:  # the subset's logits scattered into [B, V] f32, then picked
+            exit_head = exit_head + Cost(0.0, 2 * B * cfg.vocab_size * 4)
     maps = Cost(0.0, 0.0)
     maps_hand = 0.0
+    maps_did = Count(1, 1)  # what the maps piece computed (below)
     if ec is not None:  # the fitted maps' correction of the rows that left: all real rows
         # (padding never leaves: at a GPU batch of 1 the two-row step's `lax.cond` runs its
         # one-row branch, which is this program; XLA's count of the cond would be its
@@ -453,6 +461,11 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         maps_hand = R * (sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
                              for a in mshape.values())
                          + span * 2 * backfill_maps.kv_dim(cfg) * 4)
+        # the correction of R rows leaving at the first exit (one query each), counted as
+        # the step counts it (XLA counts kv_correction's lax.cond by its all-rows branch)
+        learned = dataclasses.replace(ec, backfill="learned", policy="per_row")
+        maps_did = step_work(learned, cfg.n_layers, [learned.first_exit] * R, bucket=R,
+                             platform=target.platform).maps
     pool_layer = Cost(0.0, 0.0)
     if step:  # the step's own layer: attention "reference" over the pool, the cache donated
         pool_layer = cost(lambda p, x, c, m: paged_layer(p, 0, x, c, m, cfg1, "reference"),
@@ -461,7 +474,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
              STAND_IN: (stand_in, hl.total - hl.kv_write),
              "attention stand-in alone": (attn, kernel.bytes),
              POOL: (pool_layer, hl.total),
-             "fixed": (fixed, hand_fixed(cfg, B).total),
+             FIXED: (fixed + final_head, hand_fixed(cfg, B).total),
              "fill (kv_project)": (fill - Cost(0.0, hl.kv_write),
                                    2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * it
                                    + cfg.d_model * it * (1 + B)
@@ -470,8 +483,27 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         parts["maps (learned correction)"] = (maps, maps_hand)
     copies = {"layer": layer_copies, "fixed": fixed_copies, "first check": first_copies,
               "later check": later_copies, "step": step_copies}
-    return Measured(Pieces(fixed, layer, later, fill, ride, first, maps), compiled, parts,
-                    copies)
+    one = Count(1, B)  # a piece compiled at batch B: one pass over its weights, B rows
+    p = Pieces(fixed, *(per_unit(c, one) for c in (layer, first, later, exit_head, final_head,
+                                                    fill, ride)), maps=per_unit(maps, maps_did))
+    return Measured(p, compiled, parts, copies)
+
+
+def exit_head_fn(cfg):
+    """The exit head a step runs for its rows that left, with the greedy pick: each row's
+    exit hidden state (`exit_heads.exit_hidden`, vmapped over rows as `row_exit_logits` does)
+    through the exit vocabulary's rows of the LM head. Not `row_exit_logits` itself: XLA
+    counts a `lax.cond` by its dearer branch, there the final head a step of leaving rows
+    skips. With a subset, its logits' scatter into the whole vocabulary is left to the
+    caller's hand count: XLA's TPU count of that scatter is 36x the array (56.7 MB at batch
+    8 for a 1.6 MB [8, V] f32)."""
+    def f(p, hd, slots, x):
+        hn = jax.vmap(lambda s, h: exit_heads.exit_hidden(hd, s, h, cfg))(slots, x)
+        if "vocab" not in hd:
+            return jnp.argmax(llama.unembed(p, hn, cfg), axis=-1)
+        return jnp.argmax(exit_heads.unembed_rows(p, hn, hd["vocab"], cfg, hd.get("vocab_rows")),
+                          axis=-1)
+    return f
 
 
 def _mb(c: Cost | str) -> str:
@@ -559,14 +591,14 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
         cases, pred = {}, {}
         for B in batches:
             m = pieces(cfg, None, B, W, target, kv_dtype=kv, step=False)  # full depth only
-            full = m.pieces.full_depth(cfg.n_layers)
+            full = m.pieces.full_depth(cfg.n_layers, B)
             peak = peaks[dtype]
             t = seconds(full, peak, peaks["bytes"])
             bound = "memory" if full.bytes / peaks["bytes"] >= full.flops / peak else "compute"
             hl = hand_layer(cfg, B, W, jnp.dtype(kv).itemsize)
             pieces_txt = (f"{m.parts[LAYER][0].bytes / 1e6:.2f} / "
                           f"{(hl.total - hl.kv_write) / 1e6:.2f} | "
-                          f"{m.pieces.fixed.bytes / 1e6:.1f} / "
+                          f"{m.parts[FIXED][0].bytes / 1e6:.1f} / "
                           f"{hand_fixed(cfg, B).total / 1e6:.1f}")
             pred[B] = (full, t, bound, analytic_step(cfg, B, W, jnp.dtype(kv).itemsize),
                        pieces_txt)
@@ -608,7 +640,6 @@ def main(argv=None) -> int:
         cfg = aot.shape_config(model)
         L = cfg.n_layers
         ec = aot.scaled_exit_config(base_ec, L, SHIPPED_LAYERS)
-        checked = checked_layers(ec, L)
         for tname in args.targets:
             target = aot.parse_target(tname)
             if target.chip is None:
@@ -629,7 +660,7 @@ def main(argv=None) -> int:
                                         f"| | | | | | | |")
                     continue
                 rows[B] = m
-                comp = m.pieces.full_depth(L)
+                comp = m.pieces.full_depth(L, bucket)
                 # the step with the stand-in's own attention count instead of the kernel's
                 alt = comp + L * (m.parts[STAND_IN][0] - m.parts[LAYER][0])
                 copies = m.copies["fixed"] + L * m.copies["layer"]
@@ -643,7 +674,7 @@ def main(argv=None) -> int:
                     f"{an / 1e6:.1f} | {comp.bytes / an - 1:+.1%} {verdict} | "
                     f"{copies / 1e6:.1f} | {(comp.bytes - copies) / an - 1:+.1%} | "
                     f"{_mb(m.step)}{step_copies} | "
-                    f"{(m.pieces.fixed + m.parts[POOL][0]).bytes / 1e6:.1f} | "
+                    f"{(m.parts[FIXED][0] + m.parts[POOL][0]).bytes / 1e6:.1f} | "
                     f"{alt.bytes / 1e6:.1f} ({alt.bytes / an - 1:+.1%}) |")
                 for name, (c, hand) in m.parts.items():
                     cp = m.copies.get(name.split(" (")[0], 0.0)
@@ -651,29 +682,32 @@ def main(argv=None) -> int:
                                        f"{batch_label(B, cfg, target)} | {name} | "
                                        f"{c.bytes / 1e6:.2f} | {cp / 1e6:.2f} | "
                                        f"{hand / 1e6:.2f} | {c.bytes / hand:.2f}x |")
-                for name, c in (("first check", m.pieces.first), ("later check", m.pieces.check)):
+                for name, c in (("first check", m.pieces.first_check),
+                                ("later check", m.pieces.later_check),
+                                ("exit head", m.pieces.exit_head)):
                     parts_lines.append(f"| {model} | {target.name} | "
                                        f"{batch_label(B, cfg, target)} | {name} | "
-                                       f"{c.bytes / 1e6:.2f} | {m.copies[name] / 1e6:.2f} "
-                                       f"| | |")
+                                       f"{c.bytes / 1e6:.2f} | "
+                                       f"{m.copies.get(name, 0.0) / 1e6:.2f} | | |")
                 log(f"{model} {target.name} B={B}: pieces in {time.perf_counter() - t0:.0f}s; "
                     f"composed full step {comp.bytes / 1e6:.1f} MB vs analytic {an / 1e6:.1f} "
                     f"MB ({comp.bytes / an - 1:+.1%}: {verdict}); compiled step (loop body "
                     f"once) {_mb(m.step)} MB")
             for chip in chips:
                 if rows:
-                    tables.append(_table(model, target, chip, cfg, ec, checked, rows, W))
+                    tables.append(_table(model, target, chip, cfg, ec, rows, W))
     if tables:
         lines.append("### Predicted decode step (roofline) and early-exit speed-up\n")
         lines += [TABLE_HEAD, *tables]
         lines.append("\nChips: " + "; ".join(f"{c.name}: {c.source}" for c in aot.CHIPS.values())
                      + "\n")
         lines.append("### Bytes: composed step against the analytic count\n")
-        lines.append("Composed full-depth step (fixed + L x layer) against the analytic bytes "
-                     "(every weight once + the rows' K/V read + this token's K/V written); "
-                     "and the compiled full-depth step (one `fori_loop`: XLA counts its body "
-                     "once) beside fixed + 1 layer over the pool (the step's own layer: "
-                     "XLA's counts of its page gather and K/V scatter included).\n")
+        lines.append("Composed full-depth step (fixed + final head + L x layer) against the "
+                     "analytic bytes (every weight once + the rows' K/V read + this token's K/V "
+                     "written); and the compiled full-depth step (one `fori_loop`: XLA counts "
+                     "its body once) beside fixed + final head + 1 layer over the pool (the "
+                     "step's own layer: XLA's counts of its page gather and K/V scatter "
+                     "included).\n")
         lines.append("| model | target | batch | composed MB | analytic MB | composed vs "
                      "analytic | of which relayout copies MB | composed less copies vs "
                      "analytic | compiled step MB | fixed + 1 pool layer MB | composed with "
@@ -729,7 +763,7 @@ def batch_label(B: int, cfg, target: aot.Target) -> str:
     return str(B) if bucket == B else f"{B} ({bucket} rows)"
 
 
-def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
+def _table(model, target, chip, cfg, ec, rows, W: int) -> str:
     """Rows of the prediction table for one model on one chip."""
     L = cfg.n_layers
     half, tq = L // 2, (3 * L) // 4
@@ -737,7 +771,8 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
     out = []
     for B, m in rows.items():
         p = m.pieces
-        full = p.full_depth(L)
+        bucket = bucket_of(B, cfg, target)
+        full = p.full_depth(L, bucket)
         t_full = seconds(full, chip.peak_flops, chip.hbm_bytes_per_s)
         bound = "memory" if full.bytes / chip.hbm_bytes_per_s >= \
             full.flops / chip.peak_flops else "compute"
@@ -745,13 +780,16 @@ def _table(model, target, chip, cfg, ec, checked, rows, W: int) -> str:
         def speed(c: Cost) -> str:
             return f"{t_full / seconds(c, chip.peak_flops, chip.hbm_bytes_per_s):.2f}x"
 
-        def forced(e, bf):  # every token leaves at e (deferred: the pending one too)
-            return speed(p.exit_at(e, L, sum(1 for c in checked if c <= e), bf, e))
+        def forced(e, bf):  # every row leaves at e (deferred: its pending token too)
+            work = step_work(dataclasses.replace(ec, backfill=bf), L, [e] * B, [e] * B,
+                             bucket, target.platform)
+            return speed(p.price(work))
 
         def hist(bf):
             if B != 1:
                 return "n/a"
-            parts = [speed(p.expected(scaled_histogram(h, L), L, checked, bf))
+            parts = [speed(p.expected(scaled_histogram(h, L), dataclasses.replace(ec, backfill=bf),
+                                      L, bucket, target.platform))
                      for h in SHIPPED.values()]
             return " / ".join(parts)
 

@@ -115,7 +115,7 @@ def verified_ideal(cfg, ec, stats) -> float:
     from ee_jax.models.exit_cost import cost_model, verified_speedup
 
     rows = stats.num_decode_rows / max(1, stats.num_decode_steps)
-    return verified_speedup(cost_model(cfg, ec), stats.step_exit_counts,
+    return verified_speedup(cost_model(cfg, ec), ec, stats.step_exit_counts,
                             stats.num_decode_tokens, batch=rows)
 
 
@@ -248,7 +248,7 @@ def render(ctx) -> str:
             "its cost model says checks do not pay). TF agreement: the predicted token equals "
             "the forced full-depth token. Honest ideal: `exit_cost.step_speedup` of the "
             "engine's exit histogram (memory-bound at batch 1, compute-bound above; deferred's "
-            "pending tokens run their layers; verified: `exit_cost.verified_speedup` of its "
+            "pending tokens ride along; verified: `exit_cost.verified_speedup` of its "
             "steps, riding drafts free). `verified, ...`: lossless (`ExitConfig.verified`), "
             "served unforced; identical: the share of its sequences equal to full depth's "
             "(1.000 is the contract). Max contention: the largest share of the CPU "

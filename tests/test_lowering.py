@@ -500,51 +500,6 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
         big_copies(plain, decode[-1], False)
 
 
-def test_roofline_composition():
-    """Hand-counted steps: propagate pays the layers run plus K/V projections of the rest;
-    deferred pays propagate's plus its pending token's second query in the layers the new
-    token runs above the pending one (`ride`); the back-fills with maps add the leaving
-    rows' correction."""
-    from ee_jax.serving.roofline import Cost, Pieces, seconds
-
-    p = Pieces(fixed=Cost(10.0, 100.0), layer=Cost(2.0, 50.0), check=Cost(1.0, 5.0),
-               fill=Cost(0.5, 3.0), ride=Cost(2.0, 7.0))
-    assert p.full_depth(4) == Cost(18.0, 300.0)
-    assert p.exit_at(1, 4, 1, "propagate") == Cost(10 + 2 + 1 + 3 * 0.5, 100 + 50 + 5 + 9)
-    # nothing pending, or pending at or above e: propagate's step
-    assert p.exit_at(1, 4, 1, "deferred") == p.exit_at(1, 4, 1, "propagate")
-    assert p.exit_at(1, 4, 1, "deferred", pending=2) == p.exit_at(1, 4, 1, "propagate")
-    # pending at 1, the new token leaves at 3: layers 1, 2 carry the second query
-    assert p.exit_at(3, 4, 2, "deferred", pending=1) == Cost(10 + 6 + 2 + 0.5 + 2 * 2,
-                                                            100 + 150 + 10 + 3 + 2 * 7)
-    mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "propagate")
-    want = 0.25 * p.exit_at(1, 4, 1, "propagate") + 0.75 * p.exit_at(4, 4, 2, "propagate")
-    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
-    # deferred: the pending layer drawn from the same histogram; only (p=1, e=4) rides,
-    # 3 layers, with probability 1/4 * 3/4
-    mean = p.expected({1: 1, 4: 3}, 4, (1, 2), "deferred")
-    want = want + (3 / 16) * 3 * p.ride
-    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
-    # a first check dearer than the later ones (it picks the candidates) is paid once
-    q = dataclasses.replace(p, first=Cost(4.0, 20.0))
-    assert q.exit_at(3, 4, 2, "propagate") == p.exit_at(3, 4, 2, "propagate") + Cost(3.0, 15.0)
-    assert q.full_depth(4) == p.full_depth(4)
-    assert seconds(Cost(2e12, 1e9), 1e12, 1e12) == 2.0  # compute-bound
-    assert seconds(Cost(1e9, 3e12), 1e12, 1e12) == 3.0  # memory-bound
-    # the back-fills with maps: the leaving rows' correction once a step where a row left;
-    # deferred_learned corrects the pending token's state too (the flops twice, maps read once)
-    m = dataclasses.replace(p, maps=Cost(3.0, 11.0))
-    assert m.exit_at(1, 4, 1, "learned") == p.exit_at(1, 4, 1, "propagate") + Cost(3.0, 11.0)
-    assert m.exit_at(4, 4, 2, "learned") == p.full_depth(4) + 2 * p.check  # nobody left
-    assert m.exit_at(3, 4, 2, "deferred_learned", pending=1) == \
-        p.exit_at(3, 4, 2, "deferred", pending=1) + Cost(6.0, 11.0)
-    mean = m.expected({1: 1, 4: 3}, 4, (1, 2), "deferred_learned")
-    want = p.expected({1: 1, 4: 3}, 4, (1, 2), "deferred") + 0.25 * Cost(6.0, 11.0)
-    assert abs(mean.bytes - want.bytes) < 1e-9 and abs(mean.flops - want.flops) < 1e-9
-    with pytest.raises(ValueError, match="back-fill"):
-        p.exit_at(1, 4, 1, "bogus")
-
-
 ROOF_CFG = random_config(vocab_size=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
                          ffn_dim=512, n_layers=2, tie_embeddings=True, dtype="float32")
 
@@ -565,7 +520,7 @@ def test_roofline_bytes_match_the_hand_count_on_cpu():
     from bench import roofline
 
     m = roofline.pieces(ROOF_CFG, None, 1, 4, aot.parse_target("cpu"), step=False)
-    composed = m.pieces.full_depth(ROOF_CFG.n_layers).bytes
+    composed = m.pieces.full_depth(ROOF_CFG.n_layers, 1).bytes
     hand = _hand_step_bytes(ROOF_CFG, 1, 4)
     assert abs(composed / hand - 1) <= 0.10, (composed, hand)
 
@@ -580,7 +535,7 @@ def test_roofline_bytes_match_the_hand_count_on_tpu():
     cfg = dataclasses.replace(ROOF_CFG, dtype="bfloat16")
     target = aot.parse_target("tpu:v5e")
     m = roofline.pieces(cfg, None, 1, 4, target, step=False)
-    composed = m.pieces.full_depth(cfg.n_layers).bytes
+    composed = m.pieces.full_depth(cfg.n_layers, 1).bytes
     assert abs(composed / _hand_step_bytes(cfg, 1, 4) - 1) <= 0.10
     dev = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
     x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=dev) for s in ((8, 576), (576, 1536)))

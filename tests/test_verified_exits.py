@@ -250,14 +250,17 @@ def test_bad_settings_name_the_setting():
 
 
 def test_verified_costs_count_drafts_verifies_and_thrown_work():
-    cm = CostModel(n_layers=4, exit_layers=(1, 2, 3), final_head=2.0, exit_head=0.5,
-                   checks=(0.1, 0.1, 0.1))
-    # 3 draft steps at 2 (2 + 0.2 checks + 0.5 head) and one verify (4 + 0.3 + 2), 3 tokens
-    assert verified_speedup(cm, {2: 3, 4: 1}, 3) == pytest.approx(3 * 6 / (3 * 2.7 + 6.3))
+    cm = CostModel(n_layers=4, checked=(1, 2, 3), final_head=2.0, exit_head=0.5,
+                   first_check=0.1, later_check=0.1)
+    ec = ExitConfig(exit_layers=(1, 2, 3), measure="candidates", vocab_subset=16,
+                    policy="per_row").verified(2)
+    # memory-bound, riding drafts free: 3 draft steps at 2 (2 + 0.2 checks + 0.5 head) and
+    # one verify (4 + 0.3 + 2: the final head's weights read once for the run), 3 tokens
+    assert verified_speedup(cm, ec, {2: 3, 4: 1}, 3) == pytest.approx(3 * 6 / (3 * 2.7 + 6.3))
     # max_draft 2 over 5 tokens: t0, t1 draft (t1 rejected), verify -> emits 2 (t0, full t1);
     # t2 drafts, t3 not confident -> verify emits 2; t4 is the last: a verify step alone
     exits, agrees = [2, 2, 2, 4, 2], [True, False, True, True, True]
-    speed, acceptance, drafted = verified_sequence_speedup(cm, exits, agrees, 2)
+    speed, acceptance, drafted = verified_sequence_speedup(cm, ec, exits, agrees)
     assert (drafted, acceptance) == (3, pytest.approx(2 / 3))
     assert speed == pytest.approx(5 * 6 / (3 * 2.7 + 3 * 6.3))
 
@@ -275,12 +278,13 @@ def test_controller_decides_verified_exits_from_the_steps_it_saw(dense):
     dec = [s for s in eng.runner.traces if s.kind == "decode"]
     assert {s.exits for s in dec} == {True, False}
     # the prediction itself, from steps: runs of 3 drafts at exit 1 all confirmed pay where
-    # riding is free (memory-bound), not where each riding draft costs a layer per layer
+    # riding is free (memory-bound), not where each riding entry (all max_draft of a row's,
+    # `exit_cost.step_work`) costs its row a layer in every layer it rides (compute-bound)
     steps = [((1,) * 4, (k,) * 4, 0) for k in range(3)] + [((L,) * 4, (3,) * 4, 16)]
     free = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=0.0,
                                                     memory_bound_batch=4))
-    costly = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=2.0,
-                                                      memory_bound_batch=4))
+    costly = exit_predictor(CFG, ec, ControllerConfig(check_overhead=0.0, ride_cost=0.0,
+                                                      memory_bound_batch=1))
     assert free(4, steps) > 1.02 > costly(4, steps)
     assert free(4, steps[:3]) == 1.0  # no token emitted yet: no evidence
 

@@ -276,6 +276,24 @@ class ExitConfig:
         return table
 
 
+def checked_layers(ec: ExitConfig, n_layers: int) -> tuple[int, ...]:
+    """The layers (static) after which a step with checks runs one: every exit layer from
+    `min_exit_layer` on (measure "saturation" also below it, to record the hidden state its
+    next check compares with). With `force_exit_layer` no check computes anything."""
+    if ec.measure == "saturation" and ec.force_exit_layer is None:
+        return tuple(e for e in ec.exit_layers if e < n_layers)
+    return tuple(e for e in ec.exit_layers if ec.min_exit_layer <= e < n_layers)
+
+
+def run_widths(P: int) -> tuple[int, ...]:
+    """Entries a verify step's final head reads, bucketed: 0, 1, 2, 4, ..., P."""
+    out, w = [0], 1
+    while w < P:
+        out.append(w)
+        w *= 2
+    return (*out, P)
+
+
 def every(n_layers: int, step: int, start: int | None = None) -> tuple[int, ...]:
     """Exit layers every `step` layers: every(30, 4) -> (4, 8, ..., 28)."""
     return tuple(range(start or step, n_layers, step))

@@ -4,7 +4,7 @@ full-depth program (no checks compiled in), and look again from time to time.
 
 A decision reads the exit program's recent decode rows in that bucket (their exit layers)
 and the engine's cost model of one step (`predict(bucket, row_exit_counts)` -> the step's
-speed-up over full depth, e.g. `cost.step_speedup`): the exit program runs while the
+speed-up over full depth, e.g. `exit_cost.step_speedup`): the exit program runs while the
 prediction clears 1 + margin. Without observations (the start, or a bucket never seen) the
 exit program runs `probe_steps` steps to get them, unless a prior (the shipped calibration's
 exit rates, `ControllerConfig.prior`) already predicts that the checks cannot pay: then the
@@ -60,15 +60,15 @@ class ControllerConfig:
     probe_every: int = 512
     margin: float = 0.02
     # The cost model's regime per batch: batches up to this are memory-bound (a weight read
-    # once per step), larger ones compute-bound (`exit_cost.step_cost`); None: 1 on CPU, 64
-    # elsewhere.
+    # once per step), larger ones compute-bound (`exit_cost.CostModel.price`); None: 1 on
+    # CPU, 64 elsewhere.
     memory_bound_batch: int | None = None
     # What the exit program costs beyond the cost model's arithmetic (the while loop, the
     # checks' dispatches), as a share of a full-depth step: calibrate it with
     # `python -m bench.shipped_exits --overhead` ("checks only / full" = 1 / (1 + this)).
     check_overhead: float = 0.05
     # What back-fill "deferred"'s second query (its pending token riding along) adds to a
-    # memory-bound layer, in layers (`exit_cost.step_cost`'s ride); None: 0.7 on CPU (GGUF
+    # memory-bound layer, in layers (`exit_cost.CostModel.price`'s ride); None: 0.7 on CPU (GGUF
     # block weights are dequantized per row: measured 0.5-0.85 at batch 1 on a 2-core Xeon,
     # docs/benchmarks.md), 0 elsewhere (the weights are read once for both queries).
     ride_cost: float | None = None
@@ -209,21 +209,21 @@ class ExitController:
 
 
 def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
-                   heads=None) -> Callable[[int, dict[int, int]], float]:
+                   heads=None, platform: str | None = None
+                   ) -> Callable[[int, dict[int, int]], float]:
     """The engine's prediction: batch, {row exit layer: rows} -> the exit program's speed-up
-    over the full-depth program (`exit_cost.step_speedup` under `ec`'s back-fill and policy,
-    the exit loop's `check_overhead` charged on top)."""
-    cm = exit_cost.cost_model(cfg, ec)
-    kv = exit_cost.kv_fraction(cfg)
-    maps = 0.0
-    if uses_maps(ec.backfill) and isinstance(heads, dict) and "backfill" in heads:
-        maps = exit_cost.map_fraction(cfg, backfill_maps.rank_of(heads["backfill"]))
-    cpu = jax.default_backend() == "cpu"
+    over the full-depth program (`exit_cost.step_speedup` under `ec`, the runner's exit
+    config: its back-fill, policy and row buckets; the exit loop's `check_overhead` charged
+    on top). platform: the runner's (default: JAX's default backend)."""
+    rank = (backfill_maps.rank_of(heads["backfill"])
+            if uses_maps(ec.backfill) and isinstance(heads, dict) and "backfill" in heads else 0)
+    cm = exit_cost.cost_model(cfg, ec, maps_rank=rank)
+    platform = platform or jax.default_backend()
+    cpu = platform == "cpu"
     mem = config.memory_bound_batch
     if mem is None:
         mem = 1 if cpu else 64
     ride = config.ride_cost if config.ride_cost is not None else (CPU_RIDE_COST if cpu else 0.0)
-    policy = "all" if ec.policy in ("all", "quorum") else "per_row"
 
     if ec.verify:
         def predict_verified(batch: int, seen) -> float:
@@ -232,27 +232,29 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
             at the agreement the heads were calibrated to, spread over the early tokens)."""
             regime = "memory" if batch <= mem else "compute"
             if isinstance(seen, dict):
-                ideal = _verified_prior(cm, ec, seen, 1.0 if regime == "compute" else ride)
+                ideal = _verified_prior(cm, ec, seen, regime, ride)
             else:
-                ideal = exit_cost.verified_steps_speedup(cm, seen, batch, regime, ride)
+                ideal = exit_cost.verified_steps_speedup(cm, ec, seen, batch, regime, ride,
+                                                         platform)
             return 1.0 / (1.0 / ideal + config.check_overhead)
 
         return predict_verified
 
     def predict(batch: int, counts: dict[int, int]) -> float:
         regime = "memory" if batch <= mem else "compute"
-        ideal = exit_cost.step_speedup(cm, counts, batch, ec.backfill, regime, kv, maps,
-                                       policy=policy, samples=128, ride=ride)
+        ideal = exit_cost.step_speedup(cm, ec, counts, batch, regime, ride, samples=128,
+                                       platform=platform)
         return 1.0 / (1.0 / ideal + config.check_overhead)
 
     return predict
 
 
 def _verified_prior(cm: exit_cost.CostModel, ec: ExitConfig, counts: dict[int, int],
-                    ride: float) -> float:
+                    regime: exit_cost.Regime, ride: float) -> float:
     """Verified exits' speed-up expected from exit rates alone: 512 tokens drawn from
     `counts` (fixed seed), a draft confirmed with the share of early tokens that keeps
-    teacher-forced agreement at the calibration's target."""
+    teacher-forced agreement at the calibration's target; one row's steps, priced in the
+    batch's regime."""
     layers = sorted(counts)
     p = np.asarray([counts[k] for k in layers], np.float64)
     p /= p.sum()
@@ -261,5 +263,5 @@ def _verified_prior(cm: exit_cost.CostModel, ec: ExitConfig, counts: dict[int, i
     early = float(np.mean(exits < cm.n_layers))
     accept = 1.0 - min(1.0, (1.0 - ec.target_agreement) / early) if early else 1.0
     agrees = rng.random(512) < accept
-    return exit_cost.verified_sequence_speedup(cm, exits.tolist(), agrees.tolist(),
-                                               ec.max_draft, ride)[0]
+    return exit_cost.verified_sequence_speedup(cm, ec, exits.tolist(), agrees.tolist(),
+                                               regime, ride)[0]

@@ -116,8 +116,10 @@ class LLMEngine:
         self.verify = exit_config is not None and exit_config.enabled and exit_config.verify
         self.controller = None
         if exit_config is not None and exit_config.enabled:
+            # the runner's exit config: its row buckets are what the exit program runs
             self.controller = ExitController(config.exit_control, exit_predictor(
-                cfg, exit_config, config.exit_control, exit_heads), verified=self.verify)
+                cfg, self.runner.exit_config, config.exit_control, exit_heads, platform),
+                verified=self.verify)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read
         self._waited = 0.0  # seconds this step() call waited for the device

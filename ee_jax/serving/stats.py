@@ -14,13 +14,7 @@ import dataclasses
 
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exit_config import ExitConfig, uses_maps
-from ee_jax.models.exit_cost import (
-    cost_model,
-    kv_fraction,
-    layer_macs,
-    map_fraction,
-    step_speedup,
-)
+from ee_jax.models.exit_cost import cost_model, layer_macs, step_speedup
 from ee_jax.serving.params import acceptance_rate
 
 
@@ -84,20 +78,19 @@ class EngineStats:
     def ideal_speedup_with_head(self, cfg: ModelConfig, ec: ExitConfig | None,
                                 memory_bound_batch: int = 1, maps_rank: int = 0) -> float:
         """The honest ceiling beside the measured speed: what this run's decode steps really
-        ran per back-fill (`exit_cost.step_speedup` at the run's mean rows per step: heads,
+        ran (`exit_cost.step_speedup` at the run's mean rows per step under `ec`: heads,
         checks, K/V back-fill and deferred's pending tokens counted, in layer-equivalents),
         memory-bound up to `memory_bound_batch` rows (a CPU: 1), compute-bound above. L /
         mean layers leaves out the LM head (~8 layers on SmolLM2) and the back-fill."""
         if ec is None or not self.row_exit_counts or not self.num_decode_steps:
             return 1.0
         batch = max(1, round(self.num_decode_rows / self.num_decode_steps))
-        batchwide = ec.policy in ("all", "quorum")
-        counts = self.step_exit_counts if batchwide else self.row_exit_counts
+        counts = (self.step_exit_counts if ec.policy in ("all", "quorum")
+                  else self.row_exit_counts)
         return step_speedup(
-            cost_model(cfg, ec), counts, batch, ec.backfill,
-            "memory" if batch <= memory_bound_batch else "compute", kv_fraction(cfg),
-            map_fraction(cfg, maps_rank) if uses_maps(ec.backfill) else 0.0,
-            policy="all" if batchwide else "per_row", samples=256)
+            cost_model(cfg, ec, maps_rank=maps_rank if uses_maps(ec.backfill) else 0), ec,
+            counts, batch, "memory" if batch <= memory_bound_batch else "compute",
+            samples=256)
 
     def snapshot(self) -> EngineStats:
         """A copy of the counters now; `since(snapshot)` gives a window's figures."""
@@ -172,8 +165,8 @@ def exit_summary(stats: EngineStats, cfg: ModelConfig, ec: ExitConfig | None = N
                work_fraction=stats.work_fraction,
                checks_per_step=stats.vocab_checks_per_decode_step)
     if full is not None:
-        out.update(exit_head=full.exit_head, first_check=full.checks[0] if full.checks else 0.0,
-                   later_check=full.checks[-1] if full.checks else 0.0)
+        out.update(exit_head=full.exit_head, first_check=full.first_check,
+                   later_check=full.later_check)
     return out
 
 

@@ -66,7 +66,13 @@ import numpy as np
 
 from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig, rides_along, uses_maps
+from ee_jax.models.exit_config import (
+    ExitConfig,
+    checked_layers,
+    rides_along,
+    run_widths,
+    uses_maps,
+)
 from ee_jax.serving import attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
@@ -83,7 +89,7 @@ class Pending:
 
     Back-fill "deferred": one entry, the row's previous token while its skipped layers hold
     propagated K/V; above the new token's exit the old one's K/V are propagated again, from
-    the deeper state it reached. The exit costs (`exit_cost.step_cost`) count it so.
+    the deeper state it reached. The exit costs (`exit_cost.step_work`) count it so.
     Verified exits (`ExitConfig.verify`): the row's *run* of up to `max_draft` drafts, right
     aligned (entry P - 1 is the token just before the row's own): no K/V is ever propagated;
     each entry's K/V are exact up to its `layer`, and every later step completes them as far
@@ -110,15 +116,6 @@ class Pending:
     @property
     def width(self) -> int:
         return self.layer.shape[1]
-
-
-def run_widths(P: int) -> tuple[int, ...]:
-    """Entries a verify step's final head reads, bucketed: 0, 1, 2, 4, ..., P."""
-    out, w = [0], 1
-    while w < P:
-        out.append(w)
-        w *= 2
-    return (*out, P)
 
 
 def pending_width(ec: ExitConfig | None) -> int:
@@ -312,15 +309,6 @@ def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
     return StepResult(logits=logits, exit_layer=jnp.where(active, L, 0).astype(jnp.int32),
                       checks=jnp.asarray(0, jnp.int32), work=jnp.asarray(B * L, jnp.int32),
                       pending=Pending.none(B, cfg)), cache
-
-
-def checked_layers(ec: ExitConfig, n_layers: int) -> tuple[int, ...]:
-    """The layers (static) after which a step with checks runs one: every exit layer from
-    `min_exit_layer` on (measure "saturation" also below it, to record the hidden state its
-    next check compares with). With `force_exit_layer` no check computes anything."""
-    if ec.measure == "saturation" and ec.force_exit_layer is None:
-        return tuple(e for e in ec.exit_layers if e < n_layers)
-    return tuple(e for e in ec.exit_layers if ec.min_exit_layer <= e < n_layers)
 
 
 def _with_pending(meta: AttentionMetadata, x: jax.Array, pending: Pending
