@@ -23,6 +23,19 @@ step's lowest pending layer up, for every row of the bucket). A step where any r
 back-fills every layer from the first exit up, for every row (deferred: two queries a row;
 learned: plus its maps), whatever the rows' exits: `exit_cost.step_work`. Ideal, not
 measured: the measured figures are `bench.shipped_exits`'s.
+
+backfill-inputs: which inputs besides a token's exit state tell a back-fill map the far
+layers' K/V (the ceiling of what a map could know; docs/tuning.md, "What else a map could
+read"). No timing.
+
+    python -m bench.exit_ceiling backfill-inputs [--prompts 96 48 96] [--pairs 16:29 20:29]
+
+Full-rank ridge per (exit e, layer j), as `backfill_fit.MapFitter` fits the shipped maps (the
+residual of propagate's K/V, lambda 1e-3 x the mean diagonal of X'X), fitted on the dense
+forward's answer-token states of the model's own training answers; held-out relative V error
+on the calibration answers per group (instructions / code / everyday), for regressor sets:
+the exit state alone (what ships); plus the token's state 4 layers earlier; plus the previous
+token's state at the exit; plus the previous token's true K/V at layer j; all of them.
 """
 
 from __future__ import annotations
@@ -129,10 +142,134 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]
     return out
 
 
+def preset(config: str, limit: int | None):
+    """The tuning preset, its calibration groups cut to `limit` prompts each (None: the
+    preset's): only the answers that are used are generated."""
+    from ee_jax.training.tune_config import TuneConfig
+
+    small = ({} if not limit else dict(calib_instructions=limit, calib_code_prompts=limit,
+                                       calib_everyday=limit))
+    return TuneConfig.from_yaml(config, **small)
+
+
+INPUT_KINDS = {"exit": "exit state (propagate)", "earlier": "+ earlier state",
+               "prevstate": "+ previous token's exit state",
+               "prevkv": "+ previous token's K/V at j", "all": "all"}
+EARLIER = 4  # layers below the exit for "earlier"
+
+
+def backfill_inputs_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.exit_ceiling backfill-inputs",
+                                description="which inputs besides the exit state lower the far "
+                                "layers' K/V error a back-fill map could reach (module "
+                                "docstring)")
+    p.add_argument("--config", default=PRESET)
+    p.add_argument("--prompts", type=int, nargs=3, default=[96, 48, 96],
+                   metavar=("INSTRUCTIONS", "CODE", "EVERYDAY"))
+    p.add_argument("--pairs", nargs="+", default=["16:29", "20:29", "24:29", "20:24", "16:20"])
+    p.add_argument("--limit", type=int, default=None,
+                   help="prompts per calibration group (default: the preset's)")
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from ee_jax.models import backfill_maps as bm
+    from ee_jax.models.loading import load_model
+    from ee_jax.training import tune
+    from ee_jax.training.backfill_fit import _pre_rope_kv, states_of
+
+    tc = preset(args.config, args.limit)
+    model = load_model(tc.model, dtype="float32", progress=False)
+    cfg, params = model.config, model.params
+    pairs = [tuple(int(x) for x in s.split(":")) for s in args.pairs]
+    first = min(e for e, _ in pairs) - EARLIER
+    kv = bm.kv_dim(cfg)
+
+    def collect(answers):
+        """{"h", "hprev"}: [N, L - first, D] states of each answer token and the one before."""
+        rows, scored = tune._answer_rows(answers, tc.seq_len)
+        h, hprev = [], []
+        for i in range(0, len(rows), 4):
+            chunk = rows[i:i + 4]
+            pad = np.concatenate([chunk, np.zeros((4 - len(chunk), rows.shape[1]), rows.dtype)])
+            hs = np.asarray(states_of(params, jnp.asarray(pad), cfg, first))[:len(chunk)]
+            keep = scored[i:i + 4].copy()
+            keep[:, 0] = False  # every kept position has a token before it
+            h.append(hs[keep])
+            hprev.append(hs[np.roll(keep, -1, axis=1)])
+        return {"h": np.concatenate(h), "hprev": np.concatenate(hprev)}
+
+    t0 = time.time()
+    train = [pq for g in tune.split_answers(tc, model, "train", tuple(args.prompts)).values()
+             for pq in g]
+    held = {g: collect(a) for g, a in tune.calibration_answers(tc, model).items()}
+    tr = collect(train)
+    log(f"states: {len(tr['h'])} fitting tokens, held out "
+        f"{ {g: len(d['h']) for g, d in held.items()} } ({time.time() - t0:.0f} s)")
+
+    def normed(h):
+        return np.asarray(bm.normed_input(jnp.asarray(h), cfg), np.float64)[:, :-1]
+
+    def kv_at(h, j):
+        return np.asarray(_pre_rope_kv(params, j, jnp.asarray(h), cfg), np.float64)
+
+    def design(d, e, j, kind):
+        cols = [normed(d["h"][:, e - first])]
+        if kind in ("earlier", "all"):
+            cols.append(normed(d["h"][:, e - EARLIER - first]))
+        if kind in ("prevkv", "all"):
+            cols.append(kv_at(d["hprev"][:, j - first], j) / 10.0)
+        if kind == "prevstate":
+            cols.append(normed(d["hprev"][:, e - first]))
+        cols.append(np.ones((len(d["h"]), 1)))
+        return np.concatenate(cols, 1)
+
+    def truth_and_propagate(d, e, j):
+        return kv_at(d["h"][:, j - first], j), kv_at(d["h"][:, e - first], j)
+
+    def v_err(pred, y):
+        return np.linalg.norm(pred[:, kv:] - y[:, kv:]) / np.linalg.norm(y[:, kv:])
+
+    groups = list(held)
+    counts = " / ".join(f"{len(held[g]['h']):,}" for g in groups)
+    cmd = " ".join(["python -m bench.exit_ceiling backfill-inputs", *(argv or [])])
+    print(f"`{cmd}` ({time.strftime('%Y-%m-%d %H:%M')}): fitted on {len(tr['h']):,} answer tokens; "
+          f"held-out relative V error ({' / '.join(groups)}: {counts} tokens), propagate's "
+          f"in brackets.\n")
+    print("| exit -> layer | " + " | ".join(INPUT_KINDS.values()) + " |")
+    print("|---|" + "---|" * len(INPUT_KINDS))
+    for e, j in pairs:
+        y, prop = truth_and_propagate(tr, e, j)
+        cells = []
+        for kind in INPUT_KINDS:
+            X = design(tr, e, j, kind)
+            G = X.T @ X
+            C = np.linalg.solve(G + 1e-3 * np.mean(np.diag(G)) * np.eye(len(G)),
+                                X.T @ (y - prop))
+            errs = []
+            for g in groups:
+                yh, ph = truth_and_propagate(held[g], e, j)
+                errs.append(v_err(ph + design(held[g], e, j, kind) @ C, yh))
+            cell = " / ".join(f"{x:.3f}" for x in errs)
+            if kind == "exit":
+                cell += " (" + " / ".join(
+                    f"{v_err(ph, yh):.3f}" for yh, ph in
+                    (truth_and_propagate(held[g], e, j) for g in groups)) + ")"
+            cells.append(cell)
+        print(f"| {e} -> {j} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+MODES = {"backfill-inputs": backfill_inputs_main}
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in MODES:
+        return MODES[argv[0]](argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench.exit_ceiling",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0],
+                                epilog=f"modes: {', '.join(MODES)} (MODE --help)")
     p.add_argument("--config", default=PRESET, help="tuning preset (calibration split, data)")
     p.add_argument("--exit-heads", type=Path, default=None,
                    help="folder of exit heads (default: the heads shipped for the model)")
@@ -149,12 +286,8 @@ def main(argv=None) -> int:
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
     from ee_jax.training.tune import calibration_rows
-    from ee_jax.training.tune_config import TuneConfig
 
-    small = ({} if not args.limit else  # generate only the answers that are used
-             dict(calib_instructions=args.limit, calib_code_prompts=args.limit,
-                  calib_everyday=args.limit))
-    tc = TuneConfig.from_yaml(args.config, **small)
+    tc = preset(args.config, args.limit)
     model = load_model(tc.model, dtype="float32", progress=False)
     cfg, params = model.config, model.params
     if args.exit_heads is not None:

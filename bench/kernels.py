@@ -1,10 +1,13 @@
-"""Kernels, each apart from the engine: attention backends, weight-only int8, and the
-collectives of the tensor-parallel step program.
+"""Kernels, each apart from the engine: attention backends, weight-only int8, the
+collectives of the tensor-parallel step program, and the KV pool's layout in the compiled
+step programs.
 
     python -m bench.kernels attention [--backends reference xla] [--batches 1 8 32]
     python -m bench.kernels int8 [--random] [--batches 1 8] [--prompts 8] [--new-tokens 32]
     python -m bench.kernels blocks [--model smollm2-135m-instruct] [--batches 1 8 32]
     python -m bench.kernels collectives [--batch 8] [--tp 1 2 4 8]
+    python -m bench.kernels kv-layout [--model random:smollm2-135m] [--target tpu:v5e]
+    JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.kernels kv-layout --target cuda:h100
 
 attention: SmolLM2-135M's attention shapes (9 query / 3 kv heads of 64, page size 16),
 random f32 data; rows hold about 250 tokens (220-280) in a bucket of 32 pages (512 keys),
@@ -53,12 +56,23 @@ For tp = 1, 2, 4, 8 this compiles one full-depth decode step of a SmolLM2-shaped
 optimized HLO, the collectives per layer and the bytes they move, against the minimum a
 Megatron-style layer needs: two all-reduces of [B, D] (after the attention output
 projection and after the MLP down projection).
+
+kv-layout: the KV pool's layout on TPU (or CUDA, in the cuda-aot venv), compiled ahead of time
+on this CPU: the engine's decode steps (`aot.Plan`, the target's attention kernel) reading a
+head-major pool ([K, L, P, S, hd], the engine's layout where a kernel reads it: `kv_cache`
+docstring) against a layer-major one ([L, P, S, K, hd], copied into the kernel's layout every
+layer: `attention_kernels.layer_pages`). Per program, at the fewest and the most pages a row:
+XLA's bytes accessed (a `while_loop` body counted once: one layer, the head and what the step
+does once), temporaries and arguments from the memory analysis, and the copies, transposes,
+gathers and dynamic slices of at least a quarter of the pool in the compiled HLO.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import math
 import os
 import re
 import statistics
@@ -449,11 +463,69 @@ def collectives(args) -> None:
     print(f"\ncommand: python -m bench.kernels {' '.join(sys.argv[1:])}")
 
 
+# --------------------------------------------------------------------------- kv-layout
+
+
+def kv_layout_args(p) -> None:
+    p.add_argument("--model", default="random:smollm2-135m")
+    p.add_argument("--target", default="tpu:v5e")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+
+
+def big_ops(hlo_text: str, min_elements: int) -> list[str]:
+    """Copies, transposes, gathers and dynamic slices of at least `min_elements`, anywhere in
+    a compiled module."""
+    from ee_jax.serving import hlo
+
+    ops = ("copy", "transpose", "gather", "dynamic-slice")
+    return [f"{i.op} {i.dtype}[{','.join(map(str, i.dims))}]"
+            for body in hlo.computations(hlo_text).values() for i in hlo.instructions(body)
+            if i.op in ops and i.dims is not None and np.prod(i.dims) >= min_elements]
+
+
+def kv_layout(args) -> None:
+    from ee_jax.serving import aot
+    from ee_jax.serving.plan import EngineConfig
+
+    cfg, ec = aot.plan_model(args.model)
+    config = EngineConfig.make(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+                               page_size=16, batch_buckets=tuple(args.batches))
+    target = aot.parse_target(args.target)
+    base = aot.Plan.make(cfg, target, config, ec, kinds=("decode",))  # the target's kernel
+    print(f"{args.model} on {args.target}, {base.engine.attention}, {base.engine.num_pages} "
+          f"pages of 16, max_model_len {args.max_model_len}\n")
+    print("| pool | program | batch | pages a row | bytes accessed (MB) | temporaries (MB) "
+          "| arguments (MB) | pool-sized copies |\n|---|---|---:|---:|---:|---:|---:|---|")
+    for head_major in (False, True):
+        plan = base if head_major else dataclasses.replace(  # the pool's layout forced
+            base, engine=dataclasses.replace(base.engine, head_major=False))
+        for name, e, shape in plan.items():
+            if shape.pages not in (min(s.pages for s in plan.shapes),
+                                   max(s.pages for s in plan.shapes)):
+                continue
+            t0 = time.perf_counter()
+            runner = plan.runner(e)
+            pool = math.prod(runner.cache.k.shape)
+            compiled = runner.lower(shape).compile()
+            _, nbytes = aot.cost_of(compiled)
+            mem = compiled.memory_analysis()
+            copies = big_ops(compiled.as_text(), pool // 4)
+            print(f"| {'head-major' if head_major else 'layer-major'} | {name} | "
+                  f"{shape.batch} | {shape.pages} | {nbytes / 1e6:.1f} | "
+                  f"{mem.temp_size_in_bytes / 1e6:.1f} | "
+                  f"{mem.argument_size_in_bytes / 1e6:.1f} | "
+                  f"{', '.join(copies) or 'none'} |", flush=True)
+            log(f"{name} batch {shape.batch} pages {shape.pages}: "
+                f"{time.perf_counter() - t0:.0f} s")
+
+
 # --------------------------------------------------------------------------- main
 
 
-COMMANDS = {"attention": (attention_args, attention), "int8": (int8_args, int8),
-            "blocks": (blocks_args, blocks), "collectives": (collectives_args, collectives)}
+MODES = {"attention": (attention_args, attention), "int8": (int8_args, int8),
+         "blocks": (blocks_args, blocks), "collectives": (collectives_args, collectives),
+         "kv-layout": (kv_layout_args, kv_layout)}
 
 
 def main(argv=None) -> int:
@@ -462,13 +534,13 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, (add_args, _) in COMMANDS.items():
+    for name, (add_args, _) in MODES.items():
         add_args(sub.add_parser(name))
     args = p.parse_args(argv)
     if args.command == "collectives":  # simulated devices: set before JAX starts its backend
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={max(args.tp)}")
-    COMMANDS[args.command][1](args)
+    MODES[args.command][1](args)
     return 0
 
 

@@ -137,7 +137,6 @@ from bench.common import (
     load_f32,
     load_prompts,
     log,
-    machine,
     percentile,
     serve,
     write_marked,
@@ -275,48 +274,38 @@ def saturation_rate(rows: list[dict]) -> float | None:
 
 
 def render(ctx: dict) -> str:
-    out = ["## Serving under Poisson arrivals (`python -m bench.load engine`)", "",
-           f"Command: `{ctx['command']}`  ", f"Machine: {ctx['machine']}. Run {ctx['date']}.  ",
-           f"Model: {ctx['weights']}; engine {ctx['engine']}.  ",
-           f"Workload: {ctx['workload']}. Static baseline: {ctx['static']}.  ",
-           f"Warm-up compile time: {ctx['compile']}.", "",
-           "| rate req/s | mode | done / requests | span s | tok/s | req/s | TTFT p50 s | "
-           "TTFT p99 s | floor p50 s | floor p99 s | queueing p50 s | queueing p99 s | "
-           "ITL p50 ms | ITL p99 ms | compiles in run | exits (rows) |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    """The rate table with the command, date and machine on one line above and the reading
+    below: the section `--out` writes."""
+    out = [f"{common.report_header(ctx['command'])}. {ctx['weights']}; engine {ctx['engine']}. "
+           f"Workload: {ctx['workload']}. Static: {ctx['static']}. Warm-up compile: "
+           f"{ctx['compile']}.", "",
+           "| rate req/s | engine | TTFT p50 s | TTFT p99 s | floor p50 / p99 s | queueing p50 / "
+           "p99 s | ITL p50 / p99 ms | compiles in run | exits (rows) |",
+           "|---:|---|---:|---:|---|---|---|---:|---|"]
+    cut = []
     for r in ctx["rows"]:
         ex = r["exits"]
         ex_s = (f"{{{ex['row_hist']}}}, mean {ex['mean_layers']:.1f}, ideal "
                 f"{ex['ideal']:.2f}x" if ex else "-")
-        fl = " | ".join(fmt(r[k], 2) for k in ("floor50", "floor99", "queue50", "queue99"))
-        out.append(f"| {r['rate']:g} | {r['mode']} | {r['done']}/{r['n']} | {r['span']:.1f} | "
-                   f"{r['tok_s']:.1f} | {r['req_s']:.2f} | {r['ttft50']:.2f} | "
-                   f"{r['ttft99']:.2f} | {fl} | {1e3 * r['itl50']:.1f} | "
-                   f"{1e3 * r['itl99']:.1f} | {r['compiles']} | {ex_s} |")
+        out.append(f"| {r['rate']:g} | {r['mode']} | {r['ttft50']:.2f} | {r['ttft99']:.2f} | "
+                   f"{fmt(r['floor50'], 2)} / {fmt(r['floor99'], 2)} | "
+                   f"{fmt(r['queue50'], 2)} / {fmt(r['queue99'], 2)} | "
+                   f"{1e3 * r['itl50']:.1f} / {1e3 * r['itl99']:.1f} | {r['compiles']} | "
+                   f"{ex_s} |")
+        if r["done"] < r["n"]:
+            cut.append(f"{r['mode']} at {r['rate']:g} req/s {r['done']}/{r['n']}")
     sat = ctx["saturation"]
-    out += ["", "TTFT counts from the request's arrival (a request arriving during a step "
-            "waits for it); ITL: gaps between a request's successive tokens (static "
-            "transformers: between forward passes). span: first arrival to last token. "
-            "floor: each request's first-token time served alone after the warm-up (nothing "
-            "else in the engine; the least of two passes), the TTFT no scheduler beats on "
-            "this machine; queueing: TTFT minus the request's floor. "
-            "Ideal: (L + head) / (mean layers + exit head + checks), layer-equivalents."]
+    read = ("TTFT from the request's arrival; floor: its first-token time served alone after "
+            "the warm-up (the TTFT no scheduler beats here); queueing = TTFT - floor; ITL: gaps "
+            "between a request's tokens.")
+    if cut:
+        read += f" Done (the rest cut by the time limit): {'; '.join(cut)}."
     if sat is None:
-        out += ["", "Static batching did not saturate at the rates run (criterion: completes "
-                "under 90% of the offered requests/s, or p99 TTFT over 4x its lowest-rate "
-                "p99)."]
+        read += " Static batching did not saturate at these rates."
     else:
-        at = {r["mode"]: r for r in ctx["rows"] if r["rate"] == sat}
-        parts = ", ".join(f"{m}: {r['ttft99']:.2f} s" for m, r in at.items())
-        out += ["", f"Static batching saturates at {sat:g} req/s (completes under 90% of the "
-                f"offered requests/s, or p99 TTFT over 4x its lowest-rate p99). p99 TTFT "
-                f"there: {parts}."]
-        if "full depth" in at and "prefill-first" in at:
-            ratio = at["full depth"]["ttft99"] / at["prefill-first"]["ttft99"]
-            out += ["", f"Issue 13's bar (p99 TTFT at most half the prefill-first "
-                    f"scheduler's there): full depth / prefill-first = {ratio:.2f} "
-                    f"({'met' if ratio <= 0.5 else 'missed'})."]
-    return "\n".join(out) + "\n"
+        read += (f" Static batching saturates at {sat:g} req/s (under 90 % of the offered "
+                 "requests/s completed, or p99 TTFT over 4x its lowest-rate p99).")
+    return "\n".join([*out, "", read]) + "\n"
 
 
 # --------------------------------------------------------------------------- main
@@ -504,8 +493,7 @@ def engine_main(argv=None) -> int:
             rows.append(r)
 
     static_rows = [r for r in rows if r["mode"].startswith("static")]
-    ctx = dict(command="python -m bench.load engine " + " ".join(argv), machine=machine(),
-               date=time.strftime("%Y-%m-%d %H:%M"), weights=weights,
+    ctx = dict(command="python -m bench.load engine " + " ".join(argv), weights=weights,
                engine=(f"max_num_seqs={args.batch}, max_model_len={max_len}, defaults otherwise"
                        + (f"; ee_jax from --tree {args.tree}" if args.tree else "")),
                workload=(f"{args.prompts} prompts ({min(lens)}-{max(lens)} tokens), greedy, "
@@ -1167,14 +1155,16 @@ def checkpoint_main(argv=None) -> int:
 # --------------------------------------------------------------------------- main
 
 
+MODES = {"engine": engine_main, "http": http_main, "start": start_main,
+         "checkpoint": checkpoint_main}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"engine": engine_main, "http": http_main, "start": start_main,
-                "checkpoint": checkpoint_main}
-    if not argv or argv[0] not in commands:
+    if not argv or argv[0] not in MODES:
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return commands[argv[0]](argv[1:])
+    return MODES[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

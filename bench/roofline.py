@@ -33,14 +33,55 @@ CPU, pieces compiled for it against measured full-depth step times (`--cpu`).
 
     python -m bench.roofline                       # writes runs/roofline.md (and prints it)
     python -m bench.roofline --models smollm2-135m --targets tpu:v5e --batches 1 8
+
+Modes, other questions asked of compiled programs (`python -m bench.roofline MODE --help`):
+
+    JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.roofline dots
+    JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.roofline weight-slices --batches 8
+    python -m bench.roofline compile-time
+
+dots: decode-sized projections x [B, D] @ w [D, F] in bf16 compiled for an H100 (XLA's GPU
+compiler, the cuda-aot venv): XLA's bytes against the operands' and the output's, for
+SmolLM2's and Llama-3.2-1B's projection shapes at B = 1, 2, 8, 32 rows, as written (`x @ w`,
+XLA's default tiling: a compile without a GPU cannot autotune), with GEMMs in one pass
+(CUDA_COUNT_OPTIONS, split_k 1) and at one row accumulated in f32 (`preferred_element_type`),
+with the fusions XLA made: why the engine's GPU buckets start at two rows
+(`scheduler.default_batch_buckets`) and why the roofline counts one-pass GEMMs.
+
+weight-slices: what a GPU step pays for layer weights stacked [L, ...]: the full-depth decode
+step compiled for an H100 three ways, XLA's bytes (`aot.cost_of`, GEMMs in one pass) and the
+weight copies in the compiled module: stacked, `fori_loop` (the engine's program; the body
+counted once, so compare it with fixed + one pool layer); stacked, a Python loop (static
+layer index); unstacked (each layer's weights an argument, a Python loop); and the engine's
+program under XLA options that might avoid the copies (`SLICE_OPTIONS`): GEMMs by cuBLAS
+(whose calls the cost analysis does not count: its MB is the rest), dynamic-slice fusion (a
+library GEMM addressing a slice in place), XLA's own full unrolling of the loop. Against the
+pieces the roofline composes (fixed + L pool layers, the pool layer as the step runs it).
+
+compile-time: how long XLA takes to compile a tiny engine's step programs under this
+process's XLA_FLAGS and JAX settings, the measurement behind the test suite's compile
+settings (docs/testing.md). A 4-layer random model (`ee_jax.testing.tiny_model`) served full
+depth (`early_exit=False`, the baseline engine) with 8 sequences in 4 batch buckets and
+16-token prefill chunks, greedy, --new-tokens each; JAX's own compile events
+(`jax.monitoring`) summed: backend compile (XLA), lowering to MLIR, tracing; printed with the
+run's wall and process CPU time and a checksum of the tokens (the settings must not change
+them). One process reads XLA_FLAGS once: run each setting in its own process, interleaved,
+more than once:
+
+    python -m bench.roofline compile-time                                  # XLA's defaults
+    XLA_FLAGS=--xla_cpu_use_fusion_emitters=false python -m bench.roofline compile-time
+    JAX_DISABLE_MOST_OPTIMIZATIONS=1 python -m bench.roofline compile-time # -O0, as the suite
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -66,23 +107,26 @@ from ee_jax.models.exit_cost import Count, step_work
 from ee_jax.serving import aot, attention_kernels, hlo, layouts
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KERNEL_BACKENDS, KVCache, cache_shape, pad_head_dim, write_layer
-from ee_jax.serving.paged_model import paged_layer
+from ee_jax.serving.paged_model import attend, paged_layer
 from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
 from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, per_unit, seconds
 from ee_jax.serving.step import FullDepth, model_step
 
 PAGE = 16
-# Row exit histograms of the shipped SmolLM2 default at batch 1 (back-fill deferred_learned at
-# threshold 0.975; layer: rows, 30 = full depth): bench.shipped_exits --batch-runs 1:all
-# --backfills deferred_learned --prompts 12 --new-tokens 32, 2026-12-03 20:52 (that run's table
-# is in the history of docs/benchmarks.md: `git log -p docs/benchmarks.md`).
+# Row exit histograms of the shipped SmolLM2 default at batch 1 (back-fill deferred_learned,
+# threshold 0.975; layer: rows, 30 = full depth): the "exits deferred_learned" rows' histogram
+# column of
+#   python -m bench.shipped_exits --workloads instructions humaneval chat --batch-runs 1:all \
+#       --backfills deferred_learned --maps-f32 --prompts 12 --new-tokens 32 --repeats 3
+# (the first round's, full depth's tokens forced: no timing enters it). Rerun it, and this
+# benchmark, when the shipped heads change.
 SHIPPED = {
-    "instructions": {16: 22, 17: 8, 18: 20, 19: 14, 20: 15, 21: 9, 22: 6, 23: 3, 24: 8, 25: 6,
-                     26: 4, 27: 6, 28: 6, 29: 10, 30: 233},
+    "instructions": {16: 22, 17: 8, 18: 20, 19: 14, 20: 15, 21: 9, 22: 5, 23: 3, 24: 8, 25: 6,
+                     26: 4, 27: 6, 28: 6, 29: 10, 30: 234},
     "HumanEval": {16: 12, 17: 10, 18: 22, 19: 10, 20: 8, 21: 11, 22: 6, 23: 5, 24: 11, 25: 5,
-                  26: 8, 27: 6, 28: 13, 29: 12, 30: 233},
+                  26: 9, 27: 5, 28: 13, 29: 12, 30: 233},
     "everyday chat": {16: 16, 17: 4, 18: 4, 19: 12, 20: 6, 21: 14, 22: 6, 23: 3, 24: 4, 25: 8,
-                      26: 4, 27: 4, 28: 6, 29: 11, 30: 270},
+                      26: 4, 27: 4, 28: 7, 29: 10, 30: 270},
 }
 SHIPPED_LAYERS = 30
 
@@ -114,7 +158,7 @@ def _place(tree, target: aot.Target):
 TPU_COUNT_OPTIONS = {"xla_msa_enable": False}
 # A CUDA compile without a GPU cannot autotune, and XLA's default tiling of a small-M GEMM
 # splits K (8 ways for [32, 576] x [576, 576]) with f32 partial sums [8, M, N] written and
-# read back: 1.4x the operands' bytes at batch 8, 1.6-2.6x at 32 (`bench.cuda_dots`). One
+# read back: 1.4x the operands' bytes at batch 8, 1.6-2.6x at 32 (`bench.roofline dots`). One
 # pass (split_k 1, among a device autotuner's candidates) reads every weight once, the
 # count a roofline over HBM bandwidth needs; what a device's autotuner picks is for a device
 # to say (bench/device.sh).
@@ -616,7 +660,12 @@ def cpu_crosscheck(batches, W: int, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in MODES:
+        return MODES[argv[0]](argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline",
+                                 description=__doc__.split("\n\n")[0],
+                                 epilog=f"modes: {', '.join(MODES)} (MODE --help)")
     ap.add_argument("--models", nargs="+", default=list(aot.MODEL_SHAPES))
     ap.add_argument("--targets", nargs="+", default=["tpu:v5e", "tpu:v6e", "cuda:h100"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
@@ -630,7 +679,7 @@ def main(argv=None) -> int:
     base_ec = aot.shipped_exit_config()
     lines = []
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines.append(f"Command: `python -m bench.roofline {' '.join(argv or sys.argv[1:])}`, "
+    lines.append(f"Command: `python -m bench.roofline {' '.join(argv)}`, "
                  f"{stamp}, host CPU {cpu_model()} ({num_cpus()} cores; the compiles run "
                  f"here, the accelerator times are predictions), JAX {jax.__version__}, bf16, "
                  f"context {args.context} tokens a row (W={W} pages of {PAGE}).\n")
@@ -803,6 +852,188 @@ def _table(model, target, chip, cfg, ec, rows, W: int) -> str:
                    f"{hist('propagate')} | {hist('learned')} | {hist('deferred')} | "
                    f"{hist('deferred_learned')} |")
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def cuda_h100() -> aot.Target:
+    """The H100 target, compiled for by XLA's GPU compiler without a GPU (the cuda-aot venv)."""
+    if not aot.cuda_compiles():
+        raise SystemExit("needs XLA's GPU compiler: the cuda-aot venv (requirements-cuda-aot.txt, "
+                         "`make roofline`), run with JAX_PLATFORMS=cpu")
+    return aot.parse_target("cuda:h100")
+
+
+def compile_with(fn, args, target: aot.Target, options: dict, donate: tuple[int, ...] = ()):
+    """fn(*args) compiled for `target` under exactly these XLA options (`compile_for` adds
+    the count options; the modes choose their own)."""
+    return jax.jit(fn, donate_argnums=donate).lower(*_place(args, target)).compile(
+        compiler_options=options)
+
+
+DOT_SHAPES = ["576x576", "576x192", "576x1536", "1536x576",  # SmolLM2
+              "2048x2048", "2048x512", "2048x8192", "8192x2048"]  # Llama-3.2-1B
+DOT_VARIANTS = {  # name: (fn, compiler options, compiled at one row only)
+    "x @ w": (lambda x, w: x @ w, {}, False),
+    "one-pass GEMM (split_k 1)": (lambda x, w: x @ w, CUDA_COUNT_OPTIONS, False),
+    "f32 accumulation": (lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32)
+                         .astype(jnp.bfloat16), {}, True),
+}
+
+
+def dots_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline dots",
+                                 description="decode-sized projections compiled for an H100: "
+                                 "XLA's bytes against the operands' (module docstring)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32])
+    ap.add_argument("--shapes", nargs="+", default=DOT_SHAPES, metavar="DxF")
+    args = ap.parse_args(argv)
+    target = cuda_h100()
+    print("XLA's bytes / (x + w + out bytes), and the fusions of the compiled module\n")
+    print("| rows | D x F | " + " | ".join(DOT_VARIANTS) + " |\n|---:|---|"
+          + "---|" * len(DOT_VARIANTS))
+    for rows in args.rows:
+        for shape in args.shapes:
+            d, f = (int(n) for n in shape.split("x"))
+            x, w = sds((rows, d), jnp.bfloat16), sds((d, f), jnp.bfloat16)
+            operands = 2 * (d * f + rows * d + rows * f)
+            cells = []
+            for fn, opts, one_row in DOT_VARIANTS.values():
+                if one_row and rows != 1:
+                    cells.append("")
+                    continue
+                c = compile_with(fn, (x, w), target, opts)
+                fusions = [i.name for i in hlo.entry(c.as_text()) if i.op == "fusion"]
+                cells.append(f"{aot.cost_of(c)[1] / operands:.2f}x ({', '.join(fusions)})")
+            print(f"| {rows} | {d} x {f} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+def slice_fusions(text: str) -> tuple[int, int]:
+    """(dynamic-slice copy fusions, static slice fusions) called in a compiled module."""
+    calls = [m.group(1) for body in hlo.computations(text).values()
+             for i in hlo.instructions(body) if i.op == "fusion"
+             for m in [re.search(r"calls=%([\w.\-]+)", i.rest)] if m]
+    return (sum("dynamic_slice" in c for c in calls),
+            sum("slice" in c and "dynamic" not in c for c in calls))
+
+
+def stacked_python_loop(cfg):
+    """The full-depth step over stacked weights, a Python loop (a static layer index)."""
+    def step(params, cache, tokens, meta, _th):
+        x = llama.embed(params, tokens, cfg)
+        for i in range(cfg.n_layers):
+            x, cache = paged_layer(params, i, x, cache, meta, cfg, "reference")
+        return jnp.argmax(llama.final_head(params, x[:, 0], cfg), -1), cache
+    return step
+
+
+def unstacked_python_loop(cfg):
+    """The full-depth step with each layer's weights an argument of its own, a Python loop."""
+    def step(rest, layers, cache, tokens, meta):
+        x = llama.embed(rest, tokens, cfg)
+        for i, lp in enumerate(layers):
+            def layer_attend(q, k, v, i=i, c=cache):
+                return attend(q, k, v, c, i, meta, cfg, "reference")
+
+            x, cache = llama.decoder_layer(lp, x, meta.token_positions, cfg, layer_attend)
+        return jnp.argmax(llama.final_head(rest, x[:, 0], cfg), -1), cache
+    return step
+
+
+SLICE_OPTIONS = {  # the engine's program (stacked, fori_loop) under these XLA GPU options
+    "stacked, fori_loop, GEMMs by cuBLAS": {"xla_gpu_enable_triton_gemm": False},
+    "stacked, fori_loop, dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "stacked, fori_loop, cuBLAS + dynamic-slice fusion": {
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True},
+    "stacked, fori_loop, XLA's full unrolling": {
+        "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"},
+}
+
+
+def weight_slices_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline weight-slices",
+                                 description="the full-depth step compiled for an H100 over "
+                                 "stacked and unstacked layer weights (module docstring)")
+    ap.add_argument("--model", default="smollm2-135m", choices=list(aot.MODEL_SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[8])
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args(argv)
+    target = cuda_h100()
+    cfg = aot.shape_config(args.model)
+    W, L = -(-args.context // PAGE), cfg.n_layers
+    print(f"| {args.model} batch | program | XLA MB | dynamic-slice copies | static slice "
+          f"fusions | pieces MB |\n|---:|---|---:|---:|---:|---:|")
+    for B in args.batches:
+        m = pieces(cfg, None, B, W, target, step=True)
+        fixed = m.pieces.fixed.bytes + m.pieces.final_head.bytes  # embedding + final head
+        pool_layer = m.parts[POOL][0].bytes
+        args_ = step_args(cfg, B, W, None, "cuda")
+        params, cache, tokens, meta, _ = args_
+        rest = {k: v for k, v in params.items() if k != "layers"}
+        layers = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                               params["layers"]) for _ in range(L)]
+        runs = [("stacked, fori_loop (body once)", full_step_fn(cfg), args_, 1, {},
+                 fixed + pool_layer),
+                ("stacked, Python loop", stacked_python_loop(cfg), args_, 1, {},
+                 fixed + L * pool_layer),
+                ("unstacked, Python loop", unstacked_python_loop(cfg),
+                 (rest, layers, cache, tokens, meta), 2, {}, fixed + L * pool_layer)]
+        runs += [(name, full_step_fn(cfg), args_, 1, opts, None)
+                 for name, opts in SLICE_OPTIONS.items()]
+        for name, fn, a, donate, opts, want in runs:
+            try:
+                c = compile_with(fn, a, target, {**CUDA_COUNT_OPTIONS, **opts}, (donate,))
+            except Exception as e:  # e.g. an option XLA cannot compile without a GPU
+                print(f"| {B} | {name} | fails: {' '.join(str(e).split())[:90]} | | | |")
+                continue
+            ds, st = slice_fusions(c.as_text())
+            print(f"| {B} | {name} | {aot.cost_of(c)[1] / 1e6:.1f} | {ds} | {st} | "
+                  f"{'' if want is None else f'{want / 1e6:.1f}'} |", flush=True)
+    return 0
+
+
+COMPILE_EVENTS = {"backend": "/jax/core/compile/backend_compile_duration",
+                  "lowering": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "tracing": "/jax/core/compile/jaxpr_trace_duration"}
+
+
+def compile_time_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline compile-time",
+                                 description="how long XLA takes to compile a tiny engine's "
+                                 "step programs under this process's settings (module "
+                                 "docstring)")
+    ap.add_argument("--new-tokens", type=int, default=12)
+    args = ap.parse_args(argv)
+    seconds_by: collections.Counter = collections.Counter()
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: seconds_by.update({event: duration}))
+
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.serving.llm import LLM
+    from ee_jax.serving.params import greedy
+    from ee_jax.testing import tiny_model
+
+    cfg, params = tiny_model(seed=3, eos_token_ids=())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 17, 1, 33, 9, 24)]
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    llm = LLM(LoadedModel(cfg, params, None, "tiny"), early_exit=False, max_num_seqs=8,
+              max_model_len=128, page_size=4, num_pages=200, max_prefill_chunk=16,
+              max_num_batched_tokens=48, batch_buckets=(1, 2, 4, 8), progress=False)
+    outs = llm.generate(prompts, greedy(args.new_tokens), use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    compiled = " ".join(f"{k} {seconds_by[v]:.2f} s" for k, v in COMPILE_EVENTS.items())
+    env = {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
+    print(f"CPU: {cpu_model()}; {env}")
+    print(f"compile: {compiled}; run {wall:.2f} s wall, {cpu:.2f} s process CPU; "
+          f"token checksum {sum(sum(o.token_ids) for o in outs)}")
+    return 0
+
+
+MODES = {"dots": dots_main, "weight-slices": weight_slices_main,
+         "compile-time": compile_time_main}
 
 
 if __name__ == "__main__":

@@ -23,32 +23,40 @@ Method, in one process, per workload and (batch, policy):
 
 Workloads: held-out instructions (`data.instructions("eval")`, chat template), HumanEval
 prompts (raw), everyday chat (`prompts.GENERAL_CHAT`, chat template).
+
+--maps-f32: beside each back-fill with maps (learned, deferred_learned), the same exit engine
+with its maps cast to f32 (they are held in bf16 as loaded, `backfill_maps.MAP_DTYPE`), in
+the same interleaved rounds:
+
+    python -m bench.shipped_exits --workloads instructions --batch-runs 1:all
+        --backfills deferred_learned --maps-f32 --prompts 12 --new-tokens 32 --repeats 6
+
+`--out FILE` (re)writes the section between this benchmark's marks in FILE with the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bench.common import (
     agreement,
-    cpu_model,
     exit_summary,
     forced_params,
     log,
     make_llm,
+    report_header,
     serve,
     write_marked,
 )
-from ee_jax.models.exit_config import BACKFILLS
+from ee_jax.models.exit_config import BACKFILLS, uses_maps
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")
@@ -121,7 +129,8 @@ def verified_ideal(cfg, ec, stats) -> float:
 
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
             backfills: tuple[str, ...], overhead: bool = False, default: bool = True,
-            verify: tuple[tuple[int, float], ...] = (), verify_auto: bool = False) -> dict:
+            verify: tuple[tuple[int, float], ...] = (), verify_auto: bool = False,
+            maps_f32: bool = False) -> dict:
     """Full depth vs an exit engine per back-fill (the exit program always: controller mode
     "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
     `default`, also the engine as a user gets it (the heads' back-fill, controller "auto"
@@ -131,7 +140,8 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     (`ExitConfig.verified`), which serve the prompts freely, greedy: lossless, their tokens
     must be the references (`agree` is then the share of sequences identical to them);
     `verify_auto`: those under the controller as a user gets it ("auto", the heads' prior)
-    instead of the exit program always."""
+    instead of the exit program always; `maps_f32`: beside each back-fill with maps, the
+    same engine with the maps cast to f32."""
     from ee_jax.serving.controller import ControllerConfig
     from ee_jax.serving.params import greedy
 
@@ -144,6 +154,13 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     engines = {"full depth": full}
     engines.update({k: make_llm(model, e, heads, batch, max_len, exit_control=forced)
                     for k, e in ecs.items()})
+    if maps_f32 and "backfill" in heads:
+        f32 = dict(heads, backfill={k: jnp.asarray(v, jnp.float32)
+                                    for k, v in heads["backfill"].items()})
+        for bf in filter(uses_maps, backfills):
+            ecs[f"exits {bf}, maps f32"] = ecs[f"exits {bf}"]
+            engines[f"exits {bf}, maps f32"] = make_llm(model, ecs[f"exits {bf}"], f32, batch,
+                                                        max_len, exit_control=forced)
     if default:
         ecs["default (auto)"] = ec
         engines["default (auto)"] = make_llm(  # as LLM() serves the shipped heads
@@ -208,16 +225,13 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
 
 
 def render(ctx) -> str:
-    out = ["### Timed: shipped heads vs full depth, per back-fill (`bench/shipped_exits.py`)",
-           "", f"Command: `{ctx['command']}`  ",
-           f"Machine: {ctx['machine']}; jax {jax.__version__}, backend "
-           f"{jax.default_backend()}. Weights: {ctx['weights']}. Run {ctx['date']}.  ",
-           f"Exits: {ctx['heads']}.  ",
-           f"Each workload: {ctx['n_prompts']} prompts at batch 1 (2 x batch above), the "
-           f"full-depth greedy answer ({ctx['new_tokens']} tokens at most) forced on every "
-           f"engine; median of {ctx['repeats']} interleaved rounds after a warm-up pass. "
-           f"Baseline: the engine built with `early_exit=False` (full depth, no checks "
-           f"compiled). Method: the docstring of `bench/shipped_exits.py`.", "",
+    """The table with the command, date and machine on one line above and one line of legend
+    below: the section `--out` writes."""
+    out = [f"{report_header(ctx['command'])}. Weights: {ctx['weights']}. Exits: {ctx['heads']}. "
+           f"{ctx['n_prompts']} prompts a workload at batch 1 (2 x batch above), full depth's "
+           f"greedy answer ({ctx['new_tokens']} tokens at most) forced on every engine; "
+           f"median of {ctx['repeats']} interleaved rounds after a warm-up pass. Baseline: the "
+           f"engine built with `early_exit=False`.", "",
            "| workload | batch, policy | engine | tokens | tok/s (full depth) | ratio (rounds) "
            "| TF agreement (full-depth tokens / early tokens) | mean layers / row | honest "
            "ideal | max contention | row exit histogram (layer:rows) |",
@@ -241,18 +255,16 @@ def render(ctx) -> str:
                  if (n.startswith("default") or n.endswith("(auto)")) and e.get("program")]
         if progs:
             out.append(f"| {w} | {b}, {pol} | (program) | | | {'; '.join(progs)} | | | | | |")
-    out += ["", "Ratio: the engine over full depth, decode tokens/s (the engines' own "
-            "decode-step time), medians; the rounds' own ratios in brackets. `exits X`: the "
-            "exit program always (controller mode \"exits\"), back-fill X. `default (auto)`: "
-            "the engine as shipped (the heads' back-fill; the controller runs full depth where "
-            "its cost model says checks do not pay). TF agreement: the predicted token equals "
-            "the forced full-depth token. Honest ideal: `exit_cost.step_speedup` of the "
-            "engine's exit histogram (memory-bound at batch 1, compute-bound above; deferred's "
-            "pending tokens ride along; verified: `exit_cost.verified_speedup` of its "
-            "steps, riding drafts free). `verified, ...`: lossless (`ExitConfig.verified`), "
-            "served unforced; identical: the share of its sequences equal to full depth's "
-            "(1.000 is the contract). Max contention: the largest share of the CPU "
-            "other processes used during any measured pass."]
+    out += ["", "Ratio: decode tok/s (the engines' own decode-step time) over full depth's, "
+            "medians, each round's in brackets. `exits X`: the exit program always (controller "
+            "\"exits\"), back-fill X; `default (auto)`: as shipped (the controller runs full "
+            "depth where checks do not pay); `verified, ...`: lossless, served unforced "
+            "(identical: the share of sequences equal to full depth's). TF agreement: the "
+            "predicted token equals the forced full-depth one. Honest ideal: "
+            "`exit_cost.step_speedup` of the histogram (memory-bound at batch 1, compute-bound "
+            "above; deferred's pending tokens ride along; verified: "
+            "`exit_cost.verified_speedup`). Contention: the largest share of "
+            "the CPU other processes used in a measured pass."]
     return "\n".join(out) + "\n"
 
 
@@ -283,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-auto", action="store_true",
                    help="--verify engines under the controller (auto, the heads' prior), as "
                    "a user gets them, not the exit program always")
+    p.add_argument("--maps-f32", action="store_true",
+                   help="beside each back-fill with maps, the same engine with its maps in f32")
     p.add_argument("--tiny", action="store_true", help="smoke test: a 4-layer random model")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown file whose bench.shipped_exits section is (re)written")
@@ -308,16 +322,14 @@ def main(argv=None) -> int:
         else:
             ec, heads = model.shipped_exit_heads()
             what = f"heads shipped for {args.model}"
-    what += " (subset rows gathered once, by the engine's runner)"
     if args.threshold is not None:
         ec = dataclasses.replace(ec, threshold=args.threshold)
         what += f" (threshold set to {args.threshold} by --threshold)"
     what += (f": {ec.head} head, measure {ec.measure}, exits {ec.exit_layers[0]}-"
              f"{ec.exit_layers[-1]} ({len(ec.exit_layers)}), threshold {ec.threshold} "
              f"(target agreement {ec.target_agreement})")
-    ctx = dict(command="python -m bench.shipped_exits " + " ".join(argv),
-               machine=f"{cpu_model()}, {os.cpu_count()} cores", weights=weights,
-               date=time.strftime("%Y-%m-%d %H:%M"), heads=what, n_prompts=args.prompts,
+    ctx = dict(command="python -m bench.shipped_exits " + " ".join(argv), weights=weights,
+               heads=what, n_prompts=args.prompts,
                new_tokens=args.new_tokens, repeats=args.repeats, rows=[])
     for w in args.workloads:
         for b, pol in runs:
@@ -330,7 +342,7 @@ def main(argv=None) -> int:
                            (v.partition(":") for v in args.verify))
             r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
                         tuple(args.backfills), args.overhead, verify=verify,
-                        verify_auto=args.verify_auto)
+                        verify_auto=args.verify_auto, maps_f32=args.maps_f32)
             ctx["rows"].append(((w, b, pol), r))
             for name, e in r["engines"].items():
                 acc = (f", acceptance {e['accept']:.3f} of {e['drafted']} drafts"

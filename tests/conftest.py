@@ -13,7 +13,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # XLA CPU's MLIR fusion emitters (the default in this JAX) spend most of a small program's
 # compile building MLIR contexts and running their pass pipelines; the older LLVM IR emitter
 # compiles a tiny engine's programs in ~3 s of backend compile instead of ~9 s, with the same
-# tokens (`python -m bench.compile_time`, 2026-12-04, AMD EPYC, 2 cores; docs/testing.md).
+# tokens (`python -m bench.roofline compile-time`, 2026-12-04, AMD EPYC, 2 cores; docs/testing.md).
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # One LLVM module a program, not XLA's split into parts compiled on threads: with every core

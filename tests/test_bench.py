@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench import exit_ceiling, kernels, load, roofline, step
 from bench.common import (
     agreement,
     exit_summary,
@@ -146,3 +147,17 @@ def test_step_timer_times_every_variant_with_its_exit_histogram():
     ratios = sorted(np.asarray(base.wall) / np.asarray(other.wall))
     assert other.ratio_to(base) == (ratios[0], ratios[1], ratios[2])
     assert base.ratio_to(base) == (1.0, 1.0, 1.0)
+
+
+
+@pytest.mark.parametrize("module", [exit_ceiling, kernels, load, roofline, step],
+                         ids=lambda m: m.__name__)
+def test_every_mode_of_a_benchmark_parses_its_arguments(module, capsys):
+    """`python -m bench.NAME MODE --help` reaches the mode's own parser (no run: argparse
+    exits 0 after printing the mode's usage)."""
+    assert module.MODES
+    for mode in module.MODES:
+        with pytest.raises(SystemExit) as e:
+            module.main([mode, "--help"])
+        assert e.value.code == 0
+        assert f"{module.__name__} {mode}" in capsys.readouterr().out

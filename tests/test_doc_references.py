@@ -6,11 +6,13 @@ Read statically (regexes over the text, no imports): repository paths (`bench/..
 dotted module paths (`python -m bench.step`, `ee_jax.serving.stats`), bare file names
 (`step.py`, `tuning.md`), relative Markdown links in the docs, and a doc's section named in
 quotes after it (`docs/benchmarks.md, "Verified exits"`: a heading or a bold lead of that
-doc starts with it). Paths under runs/ or /tmp, and names built in f-strings, are not
+doc starts with it), and a benchmark command's mode (`python -m bench.roofline dots`: a key of
+that module's `MODES`). Paths under runs/ or /tmp, and names built in f-strings, are not
 claims about this tree and are not matched."""
 
 from __future__ import annotations
 
+import ast
 import re
 from functools import cache
 from pathlib import Path
@@ -52,6 +54,14 @@ def _where(path: Path, text: str, index: int) -> str:
     return f"{path.relative_to(REPO)}:{text.count(chr(10), 0, index) + 1}"
 
 
+def _found(pattern: re.Pattern):
+    """(file:line, match) of every match of `pattern` in the sources."""
+    for src in SOURCES:
+        text = _text(src)
+        for m in pattern.finditer(text):
+            yield _where(src, text, m.start()), m
+
+
 # --------------------------------------------------------------------------- repository paths
 
 # The whole token, so that a pattern (`configs/tune-<model>.yaml`, `tune-*.yaml`) is seen whole.
@@ -70,17 +80,15 @@ def _claim(token: str) -> str | None:
 
 def test_named_paths_exist():
     missing = []
-    for src in SOURCES:
-        text = _text(src)
-        for m in PATH.finditer(text):
-            rel, node = _claim(m.group(1)), m.group(2)
-            if rel is None:
-                continue
-            target = REPO / rel
-            if not target.exists():
-                missing.append(f"{_where(src, text, m.start())}: {rel}")
-            elif node and target.is_file() and f"def {node[2:]}(" not in _text(target):
-                missing.append(f"{_where(src, text, m.start())}: {rel}{node}")
+    for where, m in _found(PATH):
+        rel, node = _claim(m.group(1)), m.group(2)
+        if rel is None:
+            continue
+        target = REPO / rel
+        if not target.exists():
+            missing.append(f"{where}: {rel}")
+        elif node and target.is_file() and f"def {node[2:]}(" not in _text(target):
+            missing.append(f"{where}: {rel}{node}")
     assert not missing, "paths named that do not exist:\n" + "\n".join(missing)
 
 
@@ -108,15 +116,50 @@ def _resolves(dotted: str) -> bool:
 
 def test_named_modules_exist():
     missing = []
-    for src in SOURCES:
-        text = _text(src)
-        for m in MODULE.finditer(text):
-            dotted = _claim(m.group(1))
-            if dotted is None or dotted.endswith((".py", ".md", ".sh")):
-                continue
-            if not _resolves(dotted):
-                missing.append(f"{_where(src, text, m.start())}: {dotted}")
+    for where, m in _found(MODULE):
+        dotted = _claim(m.group(1))
+        if dotted is None or dotted.endswith((".py", ".md", ".sh")):
+            continue
+        if not _resolves(dotted):
+            missing.append(f"{where}: {dotted}")
     assert not missing, "modules named that do not exist:\n" + "\n".join(missing)
+
+
+# --------------------------------------------------------------------------- bench commands
+
+# `python -m bench.X` and the word after it, when that is a word (a mode), not an option.
+COMMAND = re.compile(r"python3? -m (bench\.\w+)(?:[ \t]+([a-z][\w-]*)(?=[\s`\"'),.;:]|$))?")
+
+
+@cache
+def _modes(module: Path) -> frozenset[str]:
+    """The keys of a benchmark's top-level `MODES` dict (its modes; none: no modes), read
+    with ast, nothing imported."""
+    for node in ast.parse(_text(module)).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "MODES" for t in node.targets)):
+            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return frozenset()
+
+
+def test_bench_commands_name_a_benchmark_and_its_mode():
+    bad = []
+    for where, m in _found(COMMAND):
+        module, mode = _claim(m.group(1)), m.group(2)
+        if module is None:
+            continue
+        path = REPO / (module.replace(".", "/") + ".py")
+        if not path.is_file():
+            bad.append(f"{where}: {module}: no such benchmark")
+        elif mode is not None and mode not in _modes(path):
+            bad.append(f"{where}: {module} {mode}: not one of its modes {sorted(_modes(path))}")
+    assert not bad, "benchmark commands that do not run:\n" + "\n".join(bad)
+
+
+def test_bench_modes_are_read():
+    """The reader above sees the modes a benchmark dispatches on (so the check is not empty)."""
+    assert {"dots", "weight-slices", "compile-time"} <= _modes(REPO / "bench" / "roofline.py")
+    assert {"engine", "checkpoint"} <= _modes(REPO / "bench" / "load.py")
 
 
 # --------------------------------------------------------------------------- bare file names
@@ -129,12 +172,10 @@ ELSEWHERE = frozenset({"convert_hf_to_gguf.py", "setup.py"})
 def test_named_files_exist():
     names = _file_names()
     missing = []
-    for src in SOURCES:
-        text = _text(src)
-        for m in BARE.finditer(text):
-            name = m.group(1)
-            if name not in names and name not in ELSEWHERE:
-                missing.append(f"{_where(src, text, m.start())}: {name}")
+    for where, m in _found(BARE):
+        name = m.group(1)
+        if name not in names and name not in ELSEWHERE:
+            missing.append(f"{where}: {name}")
     assert not missing, "files named that do not exist:\n" + "\n".join(missing)
 
 

@@ -34,7 +34,7 @@ def default_batch_buckets(platform: str | None = None) -> tuple[int, ...]:
     [1, D] x [D, F] into a multiply that writes the whole [D, F] product and a column
     reduction that reads it back (its dot strength reduction; no flag turns it off), so a
     one-row decode step moves ~3x its projections' weights; two rows compile to a GEMM that
-    reads them once (docs/roofline.md, `bench.cuda_dots`). The padded row attends to no key.
+    reads them once (docs/roofline.md, `bench.roofline dots`). The padded row attends to no key.
     """
     if platform is not None and platform.lower() in GPU_PLATFORMS:
         return tuple(b for b in BATCH_BUCKETS if b >= 2)
