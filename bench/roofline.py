@@ -117,7 +117,7 @@ PAGE = 16
 # threshold 0.975; layer: rows, 30 = full depth): the "exits deferred_learned" rows' histogram
 # column of
 #   python -m bench.shipped_exits --workloads instructions humaneval chat --batch-runs 1:all \
-#       --backfills deferred_learned --maps-f32 --prompts 12 --new-tokens 32 --repeats 3
+#       --backfills deferred_learned --maps-f32 --prompts 12 --new-tokens 32 --repeats 6
 # (the first round's, full depth's tokens forced: no timing enters it). Rerun it, and this
 # benchmark, when the shipped heads change.
 SHIPPED = {
