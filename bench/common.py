@@ -348,7 +348,7 @@ def load_prompts(kind: str, tokenizer, n: int, lo: int = 0, hi: int = 10**9,
 
 def head_layers(cfg) -> float:
     """The LM head (vocab x d_model) in layer-equivalents: about 8 for SmolLM2-135M."""
-    from ee_jax.models.exit_cost import layer_macs
+    from ee_jax.models.exits.cost import layer_macs
 
     return cfg.vocab_size * cfg.d_model / layer_macs(cfg)
 

@@ -81,7 +81,7 @@ def replay(cm, ec, seqs: list[list[int]], batch: int) -> float:
     """Full depth over early exit when the answers `seqs` (exit layer per token) are decoded
     `batch` at a time under `ec`, each a row of steps (memory-bound at batch 1,
     compute-bound above); a row's pending token is its previous one."""
-    from ee_jax.models import exit_cost
+    from ee_jax.models.exits import cost as exit_cost
 
     L, regime = cm.n_layers, "memory" if batch == 1 else "compute"
     total = full = 0.0
@@ -99,7 +99,7 @@ def replay(cm, ec, seqs: list[list[int]], batch: int) -> float:
 def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]:
     """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
     threshold and the best threshold of a grid, per max_draft."""
-    from ee_jax.models import exit_cost
+    from ee_jax.models.exits import cost as exit_cost
 
     threshold = ec.threshold
 
@@ -173,7 +173,7 @@ def backfill_inputs_main(argv=None) -> int:
 
     import jax.numpy as jnp
 
-    from ee_jax.models import backfill_maps as bm
+    from ee_jax.models.exits import backfill_maps as bm
     from ee_jax.models.loading import load_model
     from ee_jax.training import tune
     from ee_jax.training.backfill_fit import _pre_rope_kv, states_of
@@ -281,8 +281,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from ee_jax.models import exit_cost
-    from ee_jax.models.exit_checkpoint import load_exit_heads
+    from ee_jax.models.exits import cost as exit_cost
+    from ee_jax.models.exits.checkpoint import load_exit_heads
     from ee_jax.models.loading import load_model
     from ee_jax.training import cached as C
     from ee_jax.training.tune import calibration_rows

@@ -485,7 +485,7 @@ def big_ops(hlo_text: str, min_elements: int) -> list[str]:
 
 
 def kv_layout(args) -> None:
-    from ee_jax.serving import aot
+    from ee_jax.serving.aot import compile as aot
     from ee_jax.serving.plan import EngineConfig
 
     cfg, ec = aot.plan_model(args.model)

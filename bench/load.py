@@ -406,7 +406,7 @@ def engine_main(argv=None) -> int:
     if args.tree is not None:
         _import_from(args.tree)
 
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits.config import ExitConfig
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import greedy
 
@@ -727,7 +727,7 @@ def http_offline(args, mode: str, prompts: list[list[dict]]) -> dict:
         kw["early_exit"] = False
     # else the engine as shipped (its exit heads and controller), what "early" measures
     elif args.random:
-        from ee_jax.models.exit_config import ExitConfig
+        from ee_jax.models.exits.config import ExitConfig
 
         kw["exit_config"] = ExitConfig(exit_layers=(1, 2, 3), threshold=0.0)
     llm = LLM(random_model() if args.random else args.model, **kw)

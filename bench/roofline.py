@@ -14,7 +14,7 @@ on TPU and CUDA, where the engine attends with a Pallas kernel XLA cannot see in
 attention's core counted as the kernel moves it (the rows' pages once, q and the output) in
 place of the XLA stand-in's own count; the fixed part (embed); the final head and the exit
 head (each with the greedy pick); an exit check (first and later); one layer's back-fill
-(`llama.kv_project`). `ee_jax.serving.roofline` prices what a step runs of each
+(`llama.kv_project`). `ee_jax.serving.aot.roofline` prices what a step runs of each
 (`exit_cost.step_work`, weighted by an exit histogram) and predicts max(flops / peak, bytes
 / bandwidth) with published peaks.
 
@@ -102,14 +102,18 @@ from bench.common import (
     step_case,
     time_steps,
 )
-from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
-from ee_jax.models.exit_cost import Count, step_work
-from ee_jax.serving import aot, attention_kernels, hlo, layouts
+from ee_jax.models import llama
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.cost import Count, step_work
+from ee_jax.serving import attention_kernels, hlo, layouts
+from ee_jax.serving.aot import compile as aot
+from ee_jax.serving.aot.roofline import Cost, Pieces, analytic_bytes, per_unit, seconds
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KERNEL_BACKENDS, KVCache, cache_shape, pad_head_dim, write_layer
 from ee_jax.serving.paged_model import attend, paged_layer
 from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
-from ee_jax.serving.roofline import Cost, Pieces, analytic_bytes, per_unit, seconds
 from ee_jax.serving.step import FullDepth, model_step
 
 PAGE = 16

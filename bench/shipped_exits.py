@@ -56,7 +56,7 @@ from bench.common import (
     serve,
     write_marked,
 )
-from ee_jax.models.exit_config import BACKFILLS, uses_maps
+from ee_jax.models.exits.config import BACKFILLS, uses_maps
 
 MARK = ("<!-- bench.shipped_exits:begin -->", "<!-- bench.shipped_exits:end -->")
 WORKLOADS = ("instructions", "humaneval", "chat")
@@ -77,8 +77,10 @@ def workload_prompts(model, kind: str, n: int) -> list[list[int]]:
 
 def tiny_setup(n: int):
     """A 4-layer random model, random prompts and untrained candidate heads (smoke test)."""
-    from ee_jax.models import backfill_maps, exit_heads, llama
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models import llama
+    from ee_jax.models.exits import backfill_maps
+    from ee_jax.models.exits import heads as exit_heads
+    from ee_jax.models.exits.config import ExitConfig
     from ee_jax.models.loading import LoadedModel
     from ee_jax.testing import tiny_config
 
@@ -110,7 +112,7 @@ def honest_ideal(cfg, ec, heads, stats) -> float:
     """The step-level ideal of the run (`EngineStats.ideal_speedup_with_head`): what its
     decode steps really ran under ec's back-fill, memory-bound at batch 1 (this CPU),
     compute-bound above."""
-    from ee_jax.models import backfill_maps
+    from ee_jax.models.exits import backfill_maps
 
     rank = backfill_maps.rank_of(heads["backfill"]) if "backfill" in heads else 0
     return stats.ideal_speedup_with_head(cfg, ec, memory_bound_batch=1, maps_rank=rank)
@@ -120,7 +122,7 @@ def verified_ideal(cfg, ec, stats) -> float:
     """The honest ideal of a verified-exits run (`exit_cost.verified_speedup`): its decode
     steps' layers, checks and heads per emitted token, memory-bound (riding queries free),
     against full depth's steps of as many rows."""
-    from ee_jax.models.exit_cost import cost_model, verified_speedup
+    from ee_jax.models.exits.cost import cost_model, verified_speedup
 
     rows = stats.num_decode_rows / max(1, stats.num_decode_steps)
     return verified_speedup(cost_model(cfg, ec), ec, stats.step_exit_counts,
@@ -311,7 +313,7 @@ def main(argv=None) -> int:
         what = "untrained candidate heads, zero back-fill maps"
         args.workloads = ["random"]
     else:
-        from ee_jax.models.exit_checkpoint import load_exit_heads
+        from ee_jax.models.exits.checkpoint import load_exit_heads
         from ee_jax.models.loading import load_model
 
         model = load_model(args.model, dtype="float32", progress=False)

@@ -80,7 +80,9 @@ def load(args, blocks: bool = False):
     blocks: a GGUF's layer weights in their blocks, as the engine serves them (else dense)."""
     import jax
 
-    from ee_jax.models import exit_config, exit_heads, llama
+    from ee_jax.models import llama
+    from ee_jax.models.exits import config as exit_config
+    from ee_jax.models.exits import heads as exit_heads
 
     if args.tiny:
         from ee_jax.testing import tiny_config
@@ -108,7 +110,8 @@ def load(args, blocks: bool = False):
 
 def variants(args, cfg, params, shipped) -> dict[str, dict]:
     """name -> step_case keyword arguments; the baseline first."""
-    from ee_jax.models import exit_config, llama
+    from ee_jax.models import llama
+    from ee_jax.models.exits import config as exit_config
     from ee_jax.models.quant import quantize_params
 
     out = {BASELINE: dict(cfg=cfg, params=params)}

@@ -13,7 +13,7 @@ from ee_jax.lazy import lazy_exports
 if TYPE_CHECKING:  # what the names are, for type checkers and readers
     from ee_jax.errors import EEJaxError, ModelLoadError, UnsupportedModelError
     from ee_jax.models.config import ModelConfig, RopeScaling
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits.config import ExitConfig
     from ee_jax.models.loading import LoadedModel, load_model
     from ee_jax.serving.engine import LLMEngine
     from ee_jax.serving.llm import LLM
@@ -24,7 +24,7 @@ _EXPORTS = {
     "LLM": "ee_jax.serving.llm",
     "EEJaxError": "ee_jax.errors",
     "EngineConfig": "ee_jax.serving.plan",
-    "ExitConfig": "ee_jax.models.exit_config",
+    "ExitConfig": "ee_jax.models.exits.config",
     "InvalidRequestError": "ee_jax.serving.params",
     "LLMEngine": "ee_jax.serving.engine",
     "LoadedModel": "ee_jax.models.loading",

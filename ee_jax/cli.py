@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models.exit_config import (
+from ee_jax.models.exits.config import (
     BACKFILLS,
     HEADS,
     MEASURES,
@@ -310,7 +310,7 @@ def _serve(args) -> int:
 def _exit_kwargs(args, model) -> dict:
     """ExitConfig and heads from the --exit-* flags. Default: the heads shipped for a registry
     model (SmolLM2); --exit-heads loads others; --exit-layers builds untrained norm heads."""
-    from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
+    from ee_jax.models.exits.checkpoint import load_exit_heads, load_exit_prior
 
     if not args.early_exit:
         return {"early_exit": False}
@@ -392,8 +392,8 @@ def _calibrate(args) -> int:
     arrays stay as they are); --served measures served agreement instead."""
     import shlex
 
-    from ee_jax.models.exit_checkpoint import load_exit_heads
-    from ee_jax.models.exit_threshold import CalibrationTable
+    from ee_jax.models.exits.checkpoint import load_exit_heads
+    from ee_jax.models.exits.threshold import CalibrationTable
     from ee_jax.models.loading import load_model
     from ee_jax.training.calibrate import served_calibration, ship_calibration
     from ee_jax.training.tune import calibrate_heads, calibration_answers, served_tables
@@ -478,7 +478,8 @@ def _compile(args) -> int:
     config fits the target's memory."""
     from tqdm.auto import tqdm
 
-    from ee_jax.serving import aot, roofline
+    from ee_jax.serving.aot import compile as aot
+    from ee_jax.serving.aot import roofline
     from ee_jax.serving.plan import EngineConfig
 
     target = aot.parse_target(args.target)

@@ -11,8 +11,8 @@ import os
 import jax
 import numpy as np
 
-from ee_jax.models import backfill_maps as bm
 from ee_jax.models.config import ModelConfig, RopeScaling
+from ee_jax.models.exits import backfill_maps as bm
 from ee_jax.models.llama import init_params
 
 

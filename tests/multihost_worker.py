@@ -26,7 +26,7 @@ if os.environ.get("EE_JAX_TEST_XLA_CACHE"):  # the test's own folder: the second
 
 import jax  # noqa: E402
 
-from ee_jax.models.exit_config import ExitConfig  # noqa: E402
+from ee_jax.models.exits.config import ExitConfig  # noqa: E402
 from ee_jax.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from ee_jax.serving.params import greedy  # noqa: E402
 from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS  # noqa: E402

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import backfill_maps as bm
 from ee_jax.models import llama
+from ee_jax.models.exits import backfill_maps as bm
 from ee_jax.testing import random_backfill_maps, tiny_config
 from ee_jax.training import backfill_tune as bt
 from tests.reference import learned_backfill_states

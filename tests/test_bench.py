@@ -18,7 +18,7 @@ from bench.common import (
     time_steps,
 )
 from bench.load import arrival_times, summarize, ttft_floors
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.loading import LoadedModel
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models.backfill_maps import TPU_GATHER_MAX_ROWS
+from ee_jax.models.exits.backfill_maps import TPU_GATHER_MAX_ROWS
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import allocate_cache
 from ee_jax.serving.model_runner import (
@@ -86,8 +86,8 @@ def test_exit_engine_compiles_each_shape_once():
     twice compiles one program per step shape: every argument of the step is committed to
     the device from the start (the donated cache and derived heads come back committed, and
     jit keys its programs on that; the second step of each shape compiled again, uncounted)."""
-    from ee_jax.models import exit_heads
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits import heads as exit_heads
+    from ee_jax.models.exits.config import ExitConfig
 
     ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
                     measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
@@ -165,8 +165,8 @@ def test_tracing_reads_no_ambient_platform(monkeypatch):
     the backend come from the StepConfig, never from the process. The case is one where the
     platform decides the program (learned back-fill maps at 8 rows: gathered per row on CPU,
     every slot then a pick on TPU, `backfill_maps.gathers`), so a read would show."""
-    from ee_jax.models import exit_heads
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits import heads as exit_heads
+    from ee_jax.models.exits.config import ExitConfig
     from ee_jax.testing import random_backfill_maps
 
     ec = ExitConfig(exit_layers=(1, 2), backfill="learned", policy="all")

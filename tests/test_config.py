@@ -14,8 +14,9 @@ import pytest
 
 from ee_jax import cli, settings
 from ee_jax.evaluation.evaluate import EvalOptions
-from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig
-from ee_jax.serving import aot, attention_kernels, controller
+from ee_jax.models.exits.config import SERVING_POLICY, ExitConfig
+from ee_jax.serving import attention_kernels, controller
+from ee_jax.serving.aot import compile as aot
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.plan import EngineConfig
 from ee_jax.serving.scheduler import SchedulerConfig

@@ -12,7 +12,7 @@ checked against the dense full-depth forward of prompt + [a, b] (an independent 
 
 Back-fill "deferred_learned" is the same, with the propagated K/V above the first skipped
 layer corrected by the fitted map of the exit they are propagated from (computed here in
-numpy from the maps' definition, `ee_jax.models.backfill_maps`).
+numpy from the maps' definition, `ee_jax.models.exits.backfill_maps`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import backfill_maps, exit_heads, llama
-from ee_jax.models.exit_config import NEVER, ExitConfig
+from ee_jax.models import llama
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.step import BatchExit, PerRow, model_step

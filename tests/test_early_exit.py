@@ -18,8 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.exit_config import NEVER, POLICIES, ExitConfig, ExitConfigError
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, POLICIES, ExitConfig, ExitConfigError
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, allocate_cache
@@ -652,7 +654,7 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     "all" the demo's batch never left early at the shipped threshold); trained heads with a
     vocabulary subset come with their LM-head rows (`exit_heads.with_vocab_rows`)."""
     from ee_jax import cli
-    from ee_jax.models.exit_checkpoint import save_exit_heads
+    from ee_jax.models.exits.checkpoint import save_exit_heads
     from ee_jax.random_model import random_model
     from ee_jax.serving.llm import LLM
 

@@ -28,8 +28,10 @@ from ee_jax.evaluation import (
 from ee_jax.evaluation.layerwise import windows
 from ee_jax.evaluation.report import LAYER_PLOT, MARKDOWN, SPEED_PLOT
 from ee_jax.evaluation.sweep import FULL
-from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import tiny_config
 

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.testing import tiny_model
 
 CFG, PARAMS = tiny_model(seed=5)

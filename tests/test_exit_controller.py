@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from ee_jax.models import llama
-from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.exit_threshold import exit_prior
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.exits.threshold import exit_prior
 from ee_jax.serving.controller import ControllerConfig, ControllerConfigError, ExitController
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy

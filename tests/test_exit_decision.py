@@ -15,9 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from ee_jax.models import exit_checks, exit_cost, exit_heads, exit_threshold, llama
-from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from ee_jax.models.exit_config import (
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import cost as exit_cost
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits import threshold as exit_threshold
+from ee_jax.models.exits.checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exits.config import (
     DECISION_HIDDEN,
     N_FEATURES,
     NEVER,

@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ee_jax.models import exit_checkpoint, exit_checks, exit_heads, llama
-from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+from ee_jax.models import llama
+from ee_jax.models.exits import checkpoint as exit_checkpoint
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exits.config import ExitConfig, ExitConfigError
 from ee_jax.testing import tiny_model
 
 CFG, PARAMS = tiny_model(seed=2)

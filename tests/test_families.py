@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
-from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.checkpoint import config_from_dict, config_to_dict
-from ee_jax.models.exit_config import NEVER, ExitConfig
-from ee_jax.models.hf import config_from_hf, load_hf
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig
+from ee_jax.models.formats.checkpoint import config_from_dict, config_to_dict
+from ee_jax.models.formats.hf import config_from_hf, load_hf
 from ee_jax.models.loading import load_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.params import greedy
@@ -310,7 +312,7 @@ def test_gguf_families_load_as_their_hf_folder(tmp_path, family, head_dim):
     """The GGUF of a family model loads to the Hugging Face folder's config and weights (the
     1 + w norms undone, to f32 rounding); for Qwen, transformers' own GGUF reader agrees on
     the logits."""
-    from ee_jax.models.gguf import load_gguf
+    from ee_jax.models.formats.gguf import load_gguf
 
     model, folder = make_hf(family, head_dim=head_dim), tmp_path / "hf"
     model.save_pretrained(folder, safe_serialization=True)

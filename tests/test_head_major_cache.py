@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exit_heads, llama
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models import llama
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving import attention_kernels as ak
 from ee_jax.serving import plan as plan_module
 from ee_jax.serving.attention import AttentionMetadata

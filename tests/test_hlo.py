@@ -3,7 +3,8 @@ analyses through it on hand-counted cases."""
 
 from __future__ import annotations
 
-from ee_jax.serving import aot, hlo, layouts
+from ee_jax.serving import hlo, layouts
+from ee_jax.serving.aot import compile as aot
 
 MODULE = """HloModule m
 

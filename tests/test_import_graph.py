@@ -84,6 +84,36 @@ def test_layers_import_downward_only():
                         "argument, or move the code down):\n" + "\n".join(upward))
 
 
+# Inside a package, its subpackages are layers too, lowest first: the base model (config,
+# layers, quantized storage, tokenizer) <- the exit machinery <- the checkpoint formats (a
+# Megatron checkpoint carries exits) <- the entry points (loading, the registry, convert);
+# the engine <- ahead-of-time compilation and the roofline, which build engines' programs.
+SUBLAYERS = {"ee_jax.models": {"": 0, "exits": 1, "formats": 2, "loading": 3, "registry": 3,
+                               "convert": 4},
+             "ee_jax.serving": {"": 0, "server": 1, "aot": 1}}
+
+
+def sublayer(module: str) -> tuple[str, int] | None:
+    """(package, layer) of a module inside a package with SUBLAYERS; None elsewhere."""
+    for pkg, table in SUBLAYERS.items():
+        if module.startswith(pkg + "."):
+            part = module[len(pkg) + 1:].split(".")[0]
+            return pkg, table.get(part, 0)
+    return None
+
+
+def test_subpackages_import_downward_only():
+    upward = []
+    for m, deps in GRAPH.items():
+        here = sublayer(m)
+        for dep, line, _ in deps:
+            there = sublayer(dep)
+            if here and there and here[0] == there[0] and there[1] > here[1]:
+                upward.append(f"{m}:{line} imports {dep}")
+    assert not upward, ("a module imports from a higher part of its package (move the code "
+                        "down or pass the value in):\n" + "\n".join(upward))
+
+
 def test_no_import_cycles():
     edges = {m: sorted({d for d, _, _ in deps if d != m}) for m, deps in GRAPH.items()}
     # the package's __init__ modules import their children; a child importing a sibling

@@ -12,7 +12,7 @@ import pytest
 
 from ee_jax.cli import main as cli_main
 from ee_jax.models import llama, quant
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.llm import LLM

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.loading import load_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM

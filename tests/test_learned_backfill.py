@@ -1,5 +1,5 @@
 """Back-fill "learned": fitted maps correct the K/V a skipped layer gets from a
-token's exit state (ee_jax/models/backfill_maps.py, ee_jax/training/backfill_fit.py,
+token's exit state (ee_jax/models/exits/backfill_maps.py, ee_jax/training/backfill_fit.py,
 ee_jax/serving/backfill.py).
 
 Truths: numpy least squares for the fit; the dense forward's true K/V for the held-out error;
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import backfill_maps as bm
 from ee_jax.models import llama
+from ee_jax.models.exits import backfill_maps as bm
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, storage_dtype
@@ -216,8 +216,9 @@ def test_saved_heads_and_maps_are_readable_by_others_as_the_umask_allows(tmp_pat
     import os
     import stat
 
-    from ee_jax.models import exit_checkpoint, exit_heads
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits import checkpoint as exit_checkpoint
+    from ee_jax.models.exits import heads as exit_heads
+    from ee_jax.models.exits.config import ExitConfig
 
     ec = ExitConfig(exit_layers=EXITS, backfill="learned")
     heads = _heads(ec, _random_maps(4, rank=5))
@@ -249,14 +250,14 @@ def _engine(ec, heads, mesh=None):
 
 
 def _heads(ec, maps):
-    from ee_jax.models import exit_heads
+    from ee_jax.models.exits import heads as exit_heads
 
     return dict(exit_heads.init_heads(CFG, ec, PARAMS), backfill=maps)
 
 
 @pytest.mark.parametrize("backfill", ["deferred", "propagate", "learned", "deferred_learned"])
 def test_exits_never_taken_give_full_depth_tokens(backfill):
-    from ee_jax.models.exit_config import NEVER, ExitConfig
+    from ee_jax.models.exits.config import NEVER, ExitConfig
     from ee_jax.serving.params import greedy
     from tests.reference import dense_greedy, run_requests
 
@@ -269,7 +270,7 @@ def test_exits_never_taken_give_full_depth_tokens(backfill):
 def test_learned_serves_sharded_as_on_one_device():
     """tp=2 (8 simulated devices, conftest): tokens agree, the back-filled cache to the
     rounding of split reductions."""
-    from ee_jax.models.exit_config import ExitConfig
+    from ee_jax.models.exits.config import ExitConfig
     from ee_jax.serving.params import greedy
     from tests.reference import run_requests
 
@@ -290,7 +291,7 @@ def test_learned_serves_sharded_as_on_one_device():
 
 
 def test_engine_refuses_maps_that_do_not_fit():
-    from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+    from ee_jax.models.exits.config import ExitConfig, ExitConfigError
 
     ec = ExitConfig(exit_layers=EXITS, backfill="learned")
     with pytest.raises(ExitConfigError, match="needs fitted maps"):

@@ -11,9 +11,9 @@ import pytest
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models import registry
-from ee_jax.models.checkpoint import restore_checkpoint, save_checkpoint
-from ee_jax.models.gguf import load_gguf
-from ee_jax.models.hf import config_from_hf, load_hf
+from ee_jax.models.formats.checkpoint import restore_checkpoint, save_checkpoint
+from ee_jax.models.formats.gguf import load_gguf
+from ee_jax.models.formats.hf import config_from_hf, load_hf
 from ee_jax.models.llama import ParamsMismatchError, cast_params
 from tests.test_loaders import gguf_tiny_model, make_hf_model, tiny_model, write_tiny_gguf
 

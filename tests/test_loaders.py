@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import gguf as gguf_loader
 from ee_jax.models import quant
-from ee_jax.models.checkpoint import restore_checkpoint, save_checkpoint
 from ee_jax.models.config import RopeScaling
-from ee_jax.models.gguf import gguf_config, load_gguf, permute_qk_rows, unpermute_qk_rows
-from ee_jax.models.hf import config_from_hf, load_hf
+from ee_jax.models.formats import gguf as gguf_loader
+from ee_jax.models.formats.checkpoint import restore_checkpoint, save_checkpoint
+from ee_jax.models.formats.gguf import gguf_config, load_gguf, permute_qk_rows, unpermute_qk_rows
+from ee_jax.models.formats.hf import config_from_hf, load_hf
 from ee_jax.models.llama import cast_params, forward, param_shapes
 from ee_jax.models.registry import MODELS, load_params, resolve_model
 from ee_jax.testing import tiny_config

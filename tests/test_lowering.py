@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.random_model import random_config
-from ee_jax.serving import aot, attention_kernels
+from ee_jax.serving import attention_kernels
+from ee_jax.serving.aot import compile as aot
 from ee_jax.serving.plan import EngineConfig, engine_plan
 from ee_jax.serving.scheduler import default_batch_buckets
 
@@ -406,7 +407,7 @@ def _narrow_step(B: int, exits: bool):
     """(step fn, abstract args) of NARROW's decode step at batch B: full depth, or with the
     exit checks (BatchExit), the cache donated (argument 2) and returned."""
     from bench.roofline import meta_for, sds
-    from ee_jax.models import exit_heads
+    from ee_jax.models.exits import heads as exit_heads
     from ee_jax.serving.kv_cache import KVCache, cache_shape
     from ee_jax.serving.step import BatchExit, FullDepth, model_step
 
@@ -464,7 +465,7 @@ def test_engine_runner_places_its_arrays_in_the_layouts_its_tpu_steps_take(atten
     kv head were a window of the scatter: `kv_cache.write_slots`). The same runner in XLA's
     default layouts copies the embedding whole at the largest batch (what the pick
     removes)."""
-    from ee_jax.models import exit_heads
+    from ee_jax.models.exits import heads as exit_heads
     from ee_jax.serving.kv_cache import KVCache
     from ee_jax.serving.model_runner import ModelRunner
 

@@ -1,6 +1,6 @@
 """EE-LLM / EE-Tuning Megatron checkpoints: tiny random Llamas written in the format as
 Megatron splits them (tensor parallel 2, pipeline parallel 2; `ee_jax.testing.write_megatron`
-follows EE-LLM's own converters), read back by `ee_jax.models.megatron`.
+follows EE-LLM's own converters), read back by `ee_jax.models.formats.megatron`.
 
 Oracles: transformers' logits on the same (fp16-rounded) weights for the backbone; for each
 exit, a torch computation written here from the format's description (the layer's state after
@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
-from ee_jax.models import exit_heads, llama, megatron
+from ee_jax.models import llama
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.formats import megatron
 from ee_jax.models.loading import load_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.testing import subprocess_env

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ee_jax.models import llama
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving import attention_kernels, kv_cache
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.controller import ControllerConfig
@@ -110,7 +110,7 @@ ENGINE = EngineConfig.make(max_num_seqs=2, max_model_len=32, page_size=8, num_pa
 def test_an_engine_on_a_padded_cache_serves_the_same_tokens(monkeypatch):
     """Prefill, decode and the propagated back-fill of a forced exit write and read the
     padded cache: the same greedy tokens, the same K/V in the real columns, zeros beyond."""
-    from ee_jax.models import exit_heads
+    from ee_jax.models.exits import heads as exit_heads
 
     ec = ExitConfig(exit_layers=(1, 2), force_exit_layer=2, backfill="propagate")
     heads = exit_heads.init_heads(CFG, ec, PARAMS)

@@ -18,8 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exit_checks, exit_heads, llama
-from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models import llama
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine

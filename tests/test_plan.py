@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from ee_jax.cli import _engine_kwargs, build_parser
-from ee_jax.models.exit_config import ExitConfig
-from ee_jax.serving import aot
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.serving.aot import compile as aot
 from ee_jax.serving.engine import LLMEngine
 from ee_jax.serving.kv_cache import cache_shape
 from ee_jax.serving.plan import EngineConfig, EnginePlan, device_platform, engine_plan

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ee_jax.errors import MemoryMapsExhausted
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving import compilation
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.model_runner import step_program

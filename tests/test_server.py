@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ee_jax.models.exit_config import NEVER, ExitConfig
+from ee_jax.models.exits.config import NEVER, ExitConfig
 from ee_jax.random_model import random_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from ee_jax.models import exit_heads
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.serving.sharding import MeshError, MeshSpec, logical_rules
@@ -130,7 +130,7 @@ def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path)
     import gguf
 
     from ee_jax.models import quant
-    from ee_jax.models.gguf import load_gguf
+    from ee_jax.models.formats.gguf import load_gguf
     from tests.test_loaders import gguf_tiny_model, write_tiny_gguf
 
     cfg, params = gguf_tiny_model(eos_token_ids=())

@@ -3,9 +3,10 @@ preset): they load, fit the model, are served by default, and really exit early 
 
 import pytest
 
-from ee_jax.models import exit_heads, registry
-from ee_jax.models.exit_checkpoint import load_exit_heads
-from ee_jax.models.exit_config import SERVING_POLICY
+from ee_jax.models import registry
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads
+from ee_jax.models.exits.config import SERVING_POLICY
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy
@@ -30,7 +31,7 @@ def test_shipped_heads_fit_the_model_and_stay_small(shipped, smollm2):
     if (path / "calibration.json").is_file():  # the threshold is the one the table certifies
         import json
 
-        from ee_jax.models import exit_threshold
+        from ee_jax.models.exits import threshold as exit_threshold
 
         cal = json.loads((path / "calibration.json").read_text())
         assert ec.threshold == exit_threshold.threshold_from_json(cal, ec.target_agreement)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ee_jax.models import llama, registry
-from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM
 from ee_jax.serving.params import greedy

@@ -1,4 +1,4 @@
-"""The one step-cost model (ee_jax/models/exit_cost.py `step_work`, priced by `CostModel.price`
+"""The one step-cost model (ee_jax/models/exits/cost.py `step_work`, priced by `CostModel.price`
 and `roofline.Pieces.price`), against hand counts read off `serving/step.py`, per back-fill,
 policy, verified exits and regime; then against the step itself (its own row-layer counter,
 and the back-fill's projection in its jaxpr).
@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exit_cost as sc
-from ee_jax.models import exit_heads, llama
-from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models import llama
+from ee_jax.models.exits import cost as sc
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.serving.aot.roofline import Cost, Pieces, per_unit, seconds
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KVCache
-from ee_jax.serving.roofline import Cost, Pieces, per_unit, seconds
 from ee_jax.serving.step import Pending, PerRow, model_step
 from ee_jax.testing import tiny_config
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ee_jax.models import exit_heads
-from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig, ExitConfigError
 from ee_jax.models.loading import LoadedModel
 from ee_jax.testing import random_backfill_maps, tiny_model
 from ee_jax.training import data
@@ -250,8 +250,8 @@ def test_answer_rows_score_the_states_that_predict_answer_tokens():
 def test_fit_backfill_finetune_lowers_the_served_loss_and_records_it():
     """`ee-jax fit-backfill --finetune-epochs`: the maps fine-tuned on answers (here: the
     same ones held out, so the loss on them must fall) and the record of it."""
-    from ee_jax.models import backfill_maps as bm
     from ee_jax.models import llama
+    from ee_jax.models.exits import backfill_maps as bm
     from ee_jax.training import backfill_tune
     from ee_jax.training.tune import _finetune_maps
 

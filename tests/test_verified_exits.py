@@ -20,9 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ee_jax.models import exit_heads, llama
-from ee_jax.models.exit_config import NEVER, ExitConfig, ExitConfigError
-from ee_jax.models.exit_cost import CostModel, verified_sequence_speedup, verified_speedup
+from ee_jax.models import llama
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import NEVER, ExitConfig, ExitConfigError
+from ee_jax.models.exits.cost import CostModel, verified_sequence_speedup, verified_speedup
 from ee_jax.serving.controller import ControllerConfig, exit_predictor
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.kv_cache import gather_layer

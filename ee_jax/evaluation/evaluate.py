@@ -20,9 +20,10 @@ from ee_jax.evaluation.nll import FullModelNLL
 from ee_jax.evaluation.report import EvalReport, write_report
 from ee_jax.evaluation.simulate import simulate_exits
 from ee_jax.evaluation.sweep import run_sweep
-from ee_jax.models import exit_heads, registry
-from ee_jax.models.exit_checkpoint import load_exit_heads
-from ee_jax.models.exit_config import POLICIES, ExitConfig, every
+from ee_jax.models import registry
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.checkpoint import load_exit_heads
+from ee_jax.models.exits.config import POLICIES, ExitConfig, every
 from ee_jax.models.loading import LoadedModel, load_model
 
 WORKLOADS = ("humaneval", "instructions")

@@ -27,9 +27,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.evaluation.calibration import Reliability, reliability
-from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig, ExitConfigError
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig, ExitConfigError
 
 
 @dataclasses.dataclass(frozen=True)

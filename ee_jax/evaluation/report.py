@@ -18,7 +18,7 @@ import jax
 from ee_jax.evaluation.layerwise import ExitPredictions
 from ee_jax.evaluation.simulate import SimulatedExits
 from ee_jax.evaluation.sweep import FULL, SweepRow
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 
 MARKDOWN = "eval.md"
 SPEED_PLOT = "eval_speed_quality.png"

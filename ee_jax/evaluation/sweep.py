@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ee_jax.evaluation import compare
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import RequestOutput, SamplingParams, greedy

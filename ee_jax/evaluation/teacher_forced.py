@@ -33,8 +33,8 @@ import numpy as np
 from ee_jax.evaluation import prompts as P
 from ee_jax.evaluation.layerwise import ExitPredictions, exit_predictions
 from ee_jax.evaluation.simulate import simulate_exits
-from ee_jax.models import exit_cost
-from ee_jax.models.exit_checkpoint import load_exit_heads
+from ee_jax.models.exits import cost as exit_cost
+from ee_jax.models.exits.checkpoint import load_exit_heads
 from ee_jax.models.loading import load_model
 from ee_jax.training.selfgen import self_generate
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from ee_jax.errors import ModelLoadError
-from ee_jax.models import hf
-from ee_jax.models.exit_checkpoint import save_exit_heads
+from ee_jax.models.exits.checkpoint import save_exit_heads
+from ee_jax.models.formats import hf
 from ee_jax.models.loading import EXIT_HEADS_DIR, load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

@@ -13,10 +13,10 @@ import jax
 
 from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_checkpoint import load_exit_heads, load_exit_prior
-from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.hf import Placer
-from ee_jax.models.megatron import load_megatron
+from ee_jax.models.exits.checkpoint import load_exit_heads, load_exit_prior
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.formats.hf import Placer
+from ee_jax.models.formats.megatron import load_megatron
 from ee_jax.models.tokenizer import Tokenizer
 
 EXIT_HEADS_DIR = "exit_heads"  # a model folder's own exit heads (`ee-jax convert` writes it)

@@ -2,8 +2,8 @@
 
 `resolve_model` accepts a registry name (`smollm2-135m-instruct`), a `.gguf` file, a Hugging
 Face folder (holds `config.json`), a checkpoint folder written by
-`ee_jax.models.checkpoint.save_checkpoint` or a Megatron-LM checkpoint of an EE-LLM model
-(`ee_jax.models.megatron`); `load_params` loads whichever it is.
+`ee_jax.models.formats.checkpoint.save_checkpoint` or a Megatron-LM checkpoint of an EE-LLM model
+(`ee_jax.models.formats.megatron`); `load_params` loads whichever it is.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 from ee_jax.errors import ModelLoadError
-from ee_jax.models.checkpoint import is_checkpoint, restore_checkpoint
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.gguf import load_gguf
-from ee_jax.models.hf import load_hf
+from ee_jax.models.formats.checkpoint import is_checkpoint, restore_checkpoint
+from ee_jax.models.formats.gguf import load_gguf
+from ee_jax.models.formats.hf import load_hf
+from ee_jax.models.formats.megatron import is_megatron, load_megatron
 from ee_jax.models.llama import Params, cast_params
-from ee_jax.models.megatron import is_megatron, load_megatron
 
 Kind = Literal["gguf", "hf", "checkpoint", "megatron"]
 
@@ -104,8 +104,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> tuple[Kind, Path]:
             return "gguf", ggufs[0]
     accepted = ("a registry name (" + ", ".join(known_models()) + "), a .gguf file, a Hugging "
                 "Face folder with config.json and safetensors, a checkpoint folder written "
-                "by ee_jax.models.checkpoint.save_checkpoint, or a Megatron checkpoint folder "
-                "of an EE-LLM model (latest_checkpointed_iteration.txt)")
+                "by ee_jax.models.formats.checkpoint.save_checkpoint, or a Megatron "
+                "checkpoint folder of an EE-LLM model (latest_checkpointed_iteration.txt)")
     if path.exists():
         raise ModelLoadError(f"Cannot tell what kind of model {path} is. Pass {accepted}.")
     raise ModelLoadError(f"Unknown model {key!r}: no such registry name or path. Pass "

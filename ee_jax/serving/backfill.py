@@ -6,7 +6,7 @@ them. Before the step ends, its exit hidden state is projected through each skip
 at the token's slot (CALM's state propagation). `kv_project` is the very function the layer
 uses, so a back-filled entry is exactly what that layer would write given that input.
 Back-fill "learned" adds a fitted low-rank correction per (exit, layer) to those K/V
-(`ee_jax.models.backfill_maps`), in the same vmapped projection and the same scatter.
+(`ee_jax.models.exits.backfill_maps`), in the same vmapped projection and the same scatter.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ee_jax.models import backfill_maps, llama
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exits import backfill_maps
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache, write_slots
 

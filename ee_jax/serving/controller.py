@@ -26,9 +26,10 @@ import jax
 import numpy as np
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import backfill_maps, exit_cost
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig, uses_maps
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import cost as exit_cost
+from ee_jax.models.exits.config import ExitConfig, uses_maps
 
 Mode = Literal["auto", "exits", "full"]
 MODES = ("auto", "exits", "full")

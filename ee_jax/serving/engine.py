@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ee_jax.errors import TokenizationError
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.tokenizer import IncrementalDecoder
 from ee_jax.serving import distributed, sharding
 from ee_jax.serving.block_manager import BlockManager

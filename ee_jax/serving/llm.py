@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig
+from ee_jax.models.exits.config import SERVING_POLICY, ExitConfig
 from ee_jax.models.loading import LoadedModel, load_model, quantize_model
 from ee_jax.serving import sharding
 from ee_jax.serving.controller import ControllerConfig

@@ -22,8 +22,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.exit_heads import check_heads, init_heads, with_vocab_rows
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.exits.heads import check_heads, init_heads, with_vocab_rows
 from ee_jax.serving import attention_kernels, distributed, layouts, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
@@ -418,7 +418,7 @@ class ModelRunner:
         decode bucket, `layout_shape()`): in XLA's default ones every SmolLM2 decode step
         copied the 1 GiB pool in and out, and batch >= 2 the embedding (docs/roofline.md).
         Abstract params, heads and cache (`jax.ShapeDtypeStruct` leaves, as
-        `ee_jax.serving.aot` builds them) make a runner that can only `lower` and `compile`,
+        `ee_jax.serving.aot.compile` builds them) make a runner that can only `lower` and `compile`,
         for a device this machine may not have: nothing is allocated."""
         platform = platform or (mesh.devices.flat[0] if mesh is not None else
                                 device or jax.local_devices()[0]).platform

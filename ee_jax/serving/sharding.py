@@ -51,7 +51,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "q_norm": (None,), "k_norm": (None,),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    # exit heads (ee_jax.models.exit_heads): the adapter / MLP head's width is split like the
+    # exit heads (ee_jax.models.exits.heads): the adapter / MLP head's width is split like the
     # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
     "down": ("embed", "mlp"), "up": ("mlp", "embed"),
     # an EE-LLM exit's own output matrix [V, D] (`exit_output`) is split like the LM head;
@@ -181,7 +181,7 @@ def shard(tree: Any, shardings: Any) -> Any:
 
 def placement(spec: str | MeshSpec, mesh: Mesh | None = None):
     """For loaders: cfg -> where(path, ndim), the sharding of each parameter leaf, so the
-    loader puts it straight on its shards as it is read (`ee_jax.models.hf.load_hf`): a
+    loader puts it straight on its shards as it is read (`ee_jax.models.formats.hf.load_hf`): a
     sharded model is never whole on one device or in host memory. mesh: the spec's mesh when
     the caller built it already (`LLM` builds one for the loader and the engine)."""
     spec = MeshSpec.parse(spec)

@@ -13,8 +13,8 @@ import copy
 import dataclasses
 
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig, uses_maps
-from ee_jax.models.exit_cost import cost_model, layer_macs, step_speedup
+from ee_jax.models.exits.config import ExitConfig, uses_maps
+from ee_jax.models.exits.cost import cost_model, layer_macs, step_speedup
 from ee_jax.serving.params import acceptance_rate
 
 

@@ -64,9 +64,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import backfill_maps, exit_checks, exit_heads, llama
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import (
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import (
     ExitConfig,
     checked_layers,
     rides_along,

@@ -1,4 +1,4 @@
-"""Fit learned back-fill maps (`ee_jax.models.backfill_maps`) in closed form from the dense
+"""Fit learned back-fill maps (`ee_jax.models.exits.backfill_maps`) in closed form from the dense
 forward's hidden states: reduced-rank ridge regression, streamed over chunks of tokens.
 
 For exit e and skipped layer j > e, with X = [h_e / rms(h_e), 1] (N x (D + 1)) and R the
@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import backfill_maps as bm
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.exits import backfill_maps as bm
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

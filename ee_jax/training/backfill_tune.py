@@ -34,10 +34,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from ee_jax.models import backfill_maps as bm
-from ee_jax.models import exit_checks, llama
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits import backfill_maps as bm
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits.config import ExitConfig
 
 
 @dataclasses.dataclass(frozen=True)

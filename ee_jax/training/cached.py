@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ee_jax.models import exit_checks, exit_heads, llama
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits import checks as exit_checks
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.training.losses import LossWeights, restricted_exit_losses
 
 

@@ -1,6 +1,6 @@
 """Calibration of shipped exit heads on the served engine: the served tables' calibration.json,
 and shipping a pick into a heads folder. The statistics (Learn-then-Test, the tables, the
-threshold a table certifies) are `ee_jax.models.exit_threshold`; the `ee-jax calibrate`
+threshold a table certifies) are `ee_jax.models.exits.threshold`; the `ee-jax calibrate`
 command drives both.
 """
 
@@ -10,9 +10,9 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from ee_jax.models.exit_checkpoint import CALIBRATION, CONFIG
-from ee_jax.models.exit_config import BACKFILLS, ExitConfigError
-from ee_jax.models.exit_threshold import (
+from ee_jax.models.exits.checkpoint import CALIBRATION, CONFIG
+from ee_jax.models.exits.config import BACKFILLS, ExitConfigError
+from ee_jax.models.exits.threshold import (
     DEFAULT_DELTA,
     CalibrationTable,
     check_target,

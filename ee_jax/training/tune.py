@@ -1,5 +1,5 @@
 """EE-Tuning driver: data -> jitted train steps on the exit heads -> orbax checkpoints ->
-heads saved with their ExitConfig (`ee_jax.models.exit_checkpoint`).
+heads saved with their ExitConfig (`ee_jax.models.exits.checkpoint`).
 
     ee-jax tune --config configs/tune-smollm2-135m.yaml
 
@@ -29,11 +29,12 @@ import optax
 from tqdm.auto import tqdm
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import backfill_maps as bm
-from ee_jax.models import exit_heads, exit_threshold
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_checkpoint import load_exit_heads, save_exit_heads
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits import backfill_maps as bm
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits import threshold as exit_threshold
+from ee_jax.models.exits.checkpoint import load_exit_heads, save_exit_heads
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.loading import load_model
 from ee_jax.serving.controller import ControllerConfig
 from ee_jax.serving.llm import LLM

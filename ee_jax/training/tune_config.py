@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import backfill_maps
-from ee_jax.models.exit_config import ExitConfig, ExitConfigError, uses_maps
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits.config import ExitConfig, ExitConfigError, uses_maps
 from ee_jax.settings import from_flat
 from ee_jax.training.losses import LossWeights
 

@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.models import backfill_maps, llama, quant
+from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import (
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits.config import (
     DECISION_HIDDEN,
     N_FEATURES,
     ExitConfig,

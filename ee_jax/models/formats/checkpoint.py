@@ -151,7 +151,8 @@ def restore_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Params, di
     if not marker.is_file():
         what = "does not exist" if not path.exists() else f"has no {MARKER}"
         raise ModelLoadError(f"{path} {what}: not an ee-jax checkpoint (or its save did not "
-                             "finish). Write one with ee_jax.models.checkpoint.save_checkpoint.")
+                             "finish). Write one with "
+                             "ee_jax.models.formats.checkpoint.save_checkpoint.")
     try:
         meta = json.loads(marker.read_text())
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:

@@ -38,7 +38,7 @@ def rides_along(backfill: str) -> bool:
 
 def uses_maps(backfill: str) -> bool:
     """Whether the K/V of skipped layers nobody runs are corrected by the fitted maps
-    (`ee_jax.models.backfill_maps`, heads["backfill"])."""
+    (`ee_jax.models.exits.backfill_maps`, heads["backfill"])."""
     return backfill in ("learned", "deferred_learned")
 
 # The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
@@ -80,7 +80,7 @@ class ExitConfig:
     candidates: measure "candidates" only — how many of the first check's top tokens later
     checks score.
     target_agreement: the teacher-forced agreement with full depth that the shipped threshold
-    was calibrated to meet (`ee_jax.models.exit_threshold`); in (0, 1].
+    was calibrated to meet (`ee_jax.models.exits.threshold`); in (0, 1].
     backfill: what the skipped layers of a token that left early hold. "deferred" (the
     default): K/V projected from its exit state at once, then the row's next decode step
     runs the token's skipped layers for real beside its own token (one more query per row,
@@ -92,7 +92,7 @@ class ExitConfig:
     reference design's fill): the projected K/V, for good; on SmolLM2 they cost later tokens
     3-12x more agreement with full depth (docs/benchmarks.md). "learned": propagate's cost
     (the skipped layers are never run) with fitted maps correcting the projected K/V towards
-    full depth's (`ee_jax.models.backfill_maps`; the heads carry them as heads["backfill"]).
+    full depth's (`ee_jax.models.exits.backfill_maps`; the heads carry them as heads["backfill"]).
     "deferred_learned": deferred's exact ride-along where the next step runs the layers, the
     learned K/V (not the projected ones) for the layers it does not: deferred's cost with
     agreement at least deferred's (on accelerators, where the second query rides on weights
@@ -133,7 +133,7 @@ class ExitConfig:
     # workload (docs/benchmarks.md, "Verified exits"), with fewer drafts riding a step
     max_draft: int = 4
     # Exits trained with parts of their own (EE-LLM and EE-Tuning checkpoints,
-    # `ee_jax.models.megatron`). head "branch": the exit reads its layer's state after
+    # `ee_jax.models.formats.megatron`). head "branch": the exit reads its layer's state after
     # attention, m, and adds an MLP of its own, m + mlp_branch(rms(m)) (EE-LLM's exit MLP:
     # the layer's MLP is its trunk). exit_norm False: the exit's state goes to the output
     # unnormed (EE-LLM without --use-exit-norm). exit_output: each exit has its own output

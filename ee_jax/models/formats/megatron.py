@@ -54,7 +54,7 @@ import numpy as np
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig
-from ee_jax.models.exit_config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ee_jax.models.exit_config import ExitConfig, rides_along
-from ee_jax.models.exit_cost import Count, StepWork, full_depth_work, step_work
+from ee_jax.models.exits.config import ExitConfig, rides_along
+from ee_jax.models.exits.cost import Count, StepWork, full_depth_work, step_work
 
 
 @dataclasses.dataclass(frozen=True)

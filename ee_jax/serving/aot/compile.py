@@ -35,9 +35,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import backfill_maps, exit_checkpoint, exit_heads, gguf, llama, registry
+from ee_jax.models import llama, registry
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import SERVING_POLICY, ExitConfig, uses_maps
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import checkpoint as exit_checkpoint
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import SERVING_POLICY, ExitConfig, uses_maps
+from ee_jax.models.formats import gguf
 from ee_jax.serving import compilation, hlo
 from ee_jax.serving.kv_cache import KVCache
 from ee_jax.serving.model_runner import ModelRunner, StepShape

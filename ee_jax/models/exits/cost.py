@@ -53,9 +53,9 @@ from typing import Literal
 
 import numpy as np
 
-from ee_jax.models import backfill_maps
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import (
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits.config import (
     DECISION_HIDDEN,
     N_FEATURES,
     VOCAB_MEASURES,

@@ -6,7 +6,7 @@
                                 (optional) learned back-fill maps (`backfill_maps`)
     <folder>/calibration.json   (optional) errors per threshold on a held-apart split, so a
                                 threshold can be picked for any target agreement at load
-                                (`ee_jax.models.exit_threshold`)
+                                (`ee_jax.models.exits.threshold`)
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import ModelLoadError
-from ee_jax.models import backfill_maps, exit_heads, safetensors_io
+from ee_jax.models import safetensors_io
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig, ExitConfigError
-from ee_jax.models.exit_threshold import check_target, exit_prior, threshold_from_json
+from ee_jax.models.exits import backfill_maps
+from ee_jax.models.exits import heads as exit_heads
+from ee_jax.models.exits.config import ExitConfig, ExitConfigError
+from ee_jax.models.exits.threshold import check_target, exit_prior, threshold_from_json
 
 CONFIG = "exit_config.json"
 CALIBRATION = "calibration.json"
@@ -72,7 +74,7 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
     path = Path(path).absolute()
     if not (path / CONFIG).is_file():
         raise ModelLoadError(f"{path} holds no exit heads ({CONFIG} missing); save them with "
-                             f"ee_jax.models.exit_checkpoint.save_exit_heads")
+                             f"ee_jax.models.exits.checkpoint.save_exit_heads")
     meta = json.loads((path / CONFIG).read_text())
     if meta["model"] != _model_id(cfg):
         raise ExitConfigError(
@@ -127,7 +129,7 @@ def read_heads(folder: Path, target) -> dict:
             with ocp.StandardCheckpointer() as ckptr:
                 return ckptr.restore(Path(folder) / ORBAX_HEADS, target)
         raise ModelLoadError(f"{folder} holds no exit heads ({HEADS} missing); save them with "
-                             f"ee_jax.models.exit_checkpoint.save_exit_heads")
+                             f"ee_jax.models.exits.checkpoint.save_exit_heads")
     import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)
     from safetensors import safe_open
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exit_config import ExitConfig
-from ee_jax.models.exit_heads import (
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.exits.heads import (
     approx_subset_logits,
     at_slot,
     exit_hidden,

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ee_jax.models.exit_config import NEVER, ExitConfigError
+from ee_jax.models.exits.config import NEVER, ExitConfigError
 
 DEFAULT_GRID = tuple(np.round(np.arange(0.995, 0.0, -0.005), 3).tolist())  # safest first
 DEFAULT_DELTA = 0.1
