@@ -109,7 +109,8 @@ def test_serving_the_shipped_heads_imports_no_orbax():
     """Loading the shipped heads (what `make run` does) leaves orbax unimported: its import
     alone took 0.57 s of the main job."""
     code = ("import sys\n"
-            "from ee_jax.models import exit_checkpoint, registry\n"
+            "from ee_jax.models import registry\n"
+            "from ee_jax.models.exits import checkpoint as exit_checkpoint\n"
             "from ee_jax.random_model import random_config\n"
             "cfg = random_config(n_layers=30, d_model=576, vocab_size=49152, n_heads=9, "
             "n_kv_heads=3, head_dim=64)\n"
