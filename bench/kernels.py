@@ -5,6 +5,7 @@ step programs.
     python -m bench.kernels attention [--backends reference xla] [--batches 1 8 32]
     python -m bench.kernels int8 [--random] [--batches 1 8] [--prompts 8] [--new-tokens 32]
     python -m bench.kernels blocks [--model smollm2-135m-instruct] [--batches 1 8 32]
+    python -m bench.kernels llama-cpp [--threads 2] [--context 255]   # needs llama-cpp-python
     python -m bench.kernels collectives [--batch 8] [--tp 1 2 4 8]
     python -m bench.kernels kv-layout [--model random:smollm2-135m] [--target tpu:v5e]
     JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.kernels kv-layout --target cuda:h100
@@ -48,6 +49,9 @@ blocks against dequantized to f32, and each block storage choice: the head as a 
 or in f32; Q4 layer weights one value a byte (what CPU holds: `quant.for_platform`) or two a
 byte (the file's bytes, what TPU and GPU hold). Weight bytes a full-depth decode step reads
 and its time (`speed` above); the same weights bit for bit, so the same tokens.
+
+llama-cpp: ee-jax against llama.cpp (llama-cpp-python, built from source for this CPU) on
+the same GGUF file at batch 1: ms a decoded token and the weight bytes each reads a token.
 
 collectives: simulated CPU devices give no speed figure; what they do give is the program
 XLA would run.
@@ -390,6 +394,70 @@ def blocks(args) -> None:
         print(f"| {name} | {total:.0f} | {layers:.0f} | {head:.0f} | {sp} |")
 
 
+def llama_cpp_args(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF model")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    p.add_argument("--context", type=int, default=255, help="keys a decoded token attends to")
+    p.add_argument("--tokens", type=int, default=32, help="tokens llama.cpp decodes a round")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+
+
+def llama_cpp(args) -> None:
+    """ee-jax against llama.cpp on the same GGUF file at batch 1: ms per decoded token and
+    the weight bytes each reads per token. llama.cpp through llama-cpp-python, built from
+    source for this CPU (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`; not
+    a dependency); its decode timed one token at a time after a `--context`-token prompt,
+    least over rounds of the mean per token. ee-jax: the served full-depth decode step
+    (`speed`, batch 1, the same context)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise SystemExit("bench.kernels llama-cpp needs llama-cpp-python: "
+                         'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python') from e
+    from ee_jax.models import quant, registry
+    from ee_jax.models.loading import load_model
+
+    kind, path = registry.resolve_model(args.model)
+    if kind != "gguf":
+        raise SystemExit(f"{args.model} is not a GGUF file: llama.cpp reads GGUF")
+    model = load_model(args.model, progress=True)
+    load = other_load(1.0)
+    ours = speed({"ee-jax": (model.config, model.params)}, [1], args.context, args.repeats,
+                 args.rounds)["ee-jax", 1]
+    llm = Llama(model_path=str(path), n_threads=args.threads,
+                n_ctx=args.context + args.tokens + 8, n_batch=args.context + 8, verbose=False)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 1000, args.context)]
+    theirs = []
+    for r in range(args.rounds):
+        llm.reset()
+        llm.eval(prompt)
+        t0 = time.perf_counter()
+        for i in range(args.tokens):
+            llm.eval([prompt[i]])
+        theirs.append((time.perf_counter() - t0) / args.tokens)
+        log(f"llama.cpp round {r + 1}: {1000 * theirs[-1]:.2f} ms a token")
+    theirs_s = min(theirs)
+    _, layers, head = weight_bytes(model.params)
+    file_bytes = sum(int(t.n_bytes) for t in _gguf_tensors(path))
+    print(f"\n{args.model}, {cpu_model()} ({num_cpus()} CPUs, other processes using "
+          f"{100 * load:.0f}% of them as timing started); batch 1, context {args.context}; "
+          f"llama.cpp {args.threads} threads\n")
+    print("| engine | ms a token | tokens/s | weight MiB read a token | vs llama.cpp |")
+    print("|---|---|---|---|---|")
+    print(f"| llama.cpp | {1000 * theirs_s:.2f} | {1 / theirs_s:.1f} | "
+          f"{file_bytes / 2**20:.0f} (the file's tensors) | 1.00x |")
+    held = "blocks" if quant.has_blocks(model.params) else "dense"
+    print(f"| ee-jax (full depth) | {1000 * ours:.2f} | {1 / ours:.1f} | "
+          f"{(layers + head) / 2**20:.0f} (layers + head, {held}) | {theirs_s / ours:.2f}x |")
+
+
+def _gguf_tensors(path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path)).tensors
+
+
 def _repack(w):
     """A Q4 block weight held one value a byte back in the file's two a byte (exact)."""
     import dataclasses
@@ -524,7 +592,8 @@ def kv_layout(args) -> None:
 
 
 MODES = {"attention": (attention_args, attention), "int8": (int8_args, int8),
-         "blocks": (blocks_args, blocks), "collectives": (collectives_args, collectives),
+         "blocks": (blocks_args, blocks), "llama-cpp": (llama_cpp_args, llama_cpp),
+         "collectives": (collectives_args, collectives),
          "kv-layout": (kv_layout_args, kv_layout)}
 
 
