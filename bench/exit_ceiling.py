@@ -321,6 +321,9 @@ def main(argv=None) -> int:
              "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(modes)]
     for g, (rows, scored) in groups.items():
         log(f"{g}: {len(rows)} rows, {int(scored.sum())} scored tokens")
+        if not len(rows):  # a small --limit can leave a group without answers
+            log(f"{g}: no rows at this --limit, left out")
+            continue
         cache = C.cache_states(cfg, params, rows, ec.exit_layers, 1, progress=True)
         n, T = rows.shape
         keep = scored.reshape(-1)
