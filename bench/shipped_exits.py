@@ -131,16 +131,19 @@ def verified_ideal(cfg, ec, stats) -> float:
 
 def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int,
             backfills: tuple[str, ...], overhead: bool = False, default: bool = True,
-            verify: tuple[tuple[int, float], ...] = (), verify_auto: bool = False,
-            maps_f32: bool = False) -> dict:
+            verify: tuple[tuple[int, float, str | None], ...] = (), verify_auto: bool = False,
+            maps_f32: bool = False, temperature: float = 0.0) -> dict:
     """Full depth vs an exit engine per back-fill (the exit program always: controller mode
     "exits") on `prompts` at max_num_seqs=batch, all in the same interleaved rounds; with
     `default`, also the engine as a user gets it (the heads' back-fill, controller "auto"
     from the shipped calibration's prior: full depth wherever checks do not pay); with
     `overhead`, the exit engine at threshold 1.0 (every check runs, no row leaves: what the
-    checks and the exit loop cost); per (max_draft, threshold) in `verify`, verified exits
-    (`ExitConfig.verified`), which serve the prompts freely, greedy: lossless, their tokens
-    must be the references (`agree` is then the share of sequences identical to them);
+    checks and the exit loop cost); per (max_draft, threshold, sampling rule or None: the
+    config's) in `verify`, verified exits (`ExitConfig.verified`), which serve the prompts
+    freely, greedy: lossless, their tokens must be the references (`agree` is then the share
+    of sequences identical to them); `temperature` > 0: the verified engines and full depth
+    serve seeded samples at it instead (full depth's are the references; rule "rejection"
+    keeps the distribution, not the seeded tokens), full depth's speed from those;
     `verify_auto`: those under the controller as a user gets it ("auto", the heads' prior)
     instead of the exit program always; `maps_f32`: beside each back-fill with maps, the
     same engine with the maps cast to f32."""
@@ -169,9 +172,10 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
             model, ec, heads, batch, max_len,
             exit_control=ControllerConfig(prior=model.shipped_exit_prior(ec) or None))
     verified = {}
-    for d, t in verify:
-        name = f"verified, max_draft {d}, threshold {t}" + (" (auto)" if verify_auto else "")
-        ecs[name] = verified[name] = dataclasses.replace(ec, threshold=t).verified(d)
+    for d, t, rule in verify:
+        name = (f"verified, max_draft {d}, threshold {t}" + (f", {rule}" if rule else "")
+                + (" (auto)" if verify_auto else ""))
+        ecs[name] = verified[name] = dataclasses.replace(ec, threshold=t).verified(d, rule)
         control = (ControllerConfig(prior=model.shipped_exit_prior(ecs[name]) or None)
                    if verify_auto else forced)
         engines[name] = make_llm(model, ecs[name], heads, batch, max_len, exit_control=control)
@@ -180,6 +184,13 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
                                           batch, max_len, exit_control=forced)
     params = forced_params(refs)
     free = [greedy(len(r)) for r in refs]  # verified engines: the same tokens, unforced
+    if temperature > 0:
+        from ee_jax.serving.params import SamplingParams
+
+        free = [SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens)
+                for i in range(len(prompts))]
+        refs = [o.token_ids for o in serve(full, prompts, free).outputs]
+        verified["full depth"] = None  # serves `free` too
     res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
     for name, llm in engines.items():  # warm-up: every program these sequences need
         s = serve(llm, prompts, free if name in verified else params)
@@ -197,7 +208,7 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
                 ex = exit_summary(s.stats, model.config, ecs[name])
                 r.update(mean=ex["mean_layers"], hist=ex["row_hist"],
                          ideal=honest_ideal(model.config, ecs[name], heads, s.stats))
-                if name in verified:  # lossless: its own tokens are the references
+                if verified.get(name) is not None:  # lossless: the references' tokens
                     same = [o.token_ids == ref for o, ref in zip(s.outputs, refs, strict=True)]
                     r.update(agree=float(np.mean(same)), split=(float("nan"),) * 2 + (0,),
                              accept=s.stats.acceptance_rate, drafted=s.stats.num_drafted,
@@ -233,7 +244,10 @@ def render(ctx) -> str:
            f"{ctx['n_prompts']} prompts a workload at batch 1 (2 x batch above), full depth's "
            f"greedy answer ({ctx['new_tokens']} tokens at most) forced on every engine; "
            f"median of {ctx['repeats']} interleaved rounds after a warm-up pass. Baseline: the "
-           f"engine built with `early_exit=False`.", "",
+           f"engine built with `early_exit=False`."
+           + (f" Full depth and the verified engines: seeded samples at temperature "
+              f"{ctx['temperature']} (full depth's the references), not forced."
+              if ctx.get("temperature") else ""), "",
            "| workload | batch, policy | engine | tokens | tok/s (full depth) | ratio (rounds) "
            "| TF agreement (full-depth tokens / early tokens) | mean layers / row | honest "
            "ideal | max contention | row exit histogram (layer:rows) |",
@@ -291,9 +305,14 @@ def main(argv=None) -> int:
                    help="serve the heads at this threshold instead of their own")
     p.add_argument("--overhead", action="store_true",
                    help="also the exit engine at threshold 1.0 (checks run, no exit)")
-    p.add_argument("--verify", nargs="*", default=[], metavar="MAX_DRAFT:THRESHOLD",
+    p.add_argument("--verify", nargs="*", default=[],
+                   metavar="MAX_DRAFT:THRESHOLD[:coupled|rejection]",
                    help="also verified exits (lossless, served unforced) at these settings, "
-                   "e.g. 4:0.9 8:0.5")
+                   "e.g. 4:0.9 8:0.5 4:0.9:rejection (the rule for sampled drafts)")
+    p.add_argument("--verify-temperature", type=float, default=0.0,
+                   help="> 0: full depth and the --verify engines serve seeded samples at "
+                   "this temperature (not greedy), full depth's the references; pair with "
+                   "--backfills (none), as the lossy engines stay forced greedy")
     p.add_argument("--verify-auto", action="store_true",
                    help="--verify engines under the controller (auto, the heads' prior), as "
                    "a user gets them, not the exit program always")
@@ -332,7 +351,8 @@ def main(argv=None) -> int:
              f"(target agreement {ec.target_agreement})")
     ctx = dict(command="python -m bench.shipped_exits " + " ".join(argv), weights=weights,
                heads=what, n_prompts=args.prompts,
-               new_tokens=args.new_tokens, repeats=args.repeats, rows=[])
+               new_tokens=args.new_tokens, repeats=args.repeats, rows=[],
+               temperature=args.verify_temperature)
     for w in args.workloads:
         for b, pol in runs:
             n = args.prompts if b == 1 else 2 * b
@@ -340,11 +360,12 @@ def main(argv=None) -> int:
             run_ec = dataclasses.replace(ec, policy=pol)
             log(f"{w}: batch {b}, policy {pol}, back-fills {args.backfills}, "
                 f"{len(prompts)} prompts")
-            verify = tuple((int(d), float(t)) for d, _, t in
-                           (v.partition(":") for v in args.verify))
+            verify = tuple((int(v[0]), float(v[1]), v[2] if len(v) > 2 else None)
+                           for v in (spec.split(":") for spec in args.verify))
             r = compare(model, run_ec, heads, prompts, b, args.new_tokens, args.repeats,
                         tuple(args.backfills), args.overhead, verify=verify,
-                        verify_auto=args.verify_auto, maps_f32=args.maps_f32)
+                        verify_auto=args.verify_auto, maps_f32=args.maps_f32,
+                        temperature=args.verify_temperature)
             ctx["rows"].append(((w, b, pol), r))
             for name, e in r["engines"].items():
                 acc = (f", acceptance {e['accept']:.3f} of {e['drafted']} drafts"

@@ -22,6 +22,7 @@ from ee_jax.models.exits.config import (
     MEASURES,
     POLICIES,
     SERVING_POLICY,
+    VERIFY_SAMPLINGS,
     ExitConfig,
 )
 
@@ -344,13 +345,15 @@ def _verified(ec: ExitConfig, args) -> ExitConfig:
         raise SystemExit("--draft-layer needs --exit-layers naming it (untrained norm heads, "
                          "e.g. a LayerSkip checkpoint: --exit-layers 8 --draft-layer 8)")
     if not args.verify_exits:
-        if args.max_draft is not None:
-            raise SystemExit("--max-draft needs --verify-exits")
+        for flag, value in (("--max-draft", args.max_draft),
+                            ("--verify-sampling", args.verify_sampling)):
+            if value is not None:
+                raise SystemExit(f"{flag} needs --verify-exits")
         return ec
     if args.backfill not in (None, "deferred"):
         raise SystemExit(f"--verify-exits writes exact K/V by riding along (backfill "
                          f"deferred); drop --backfill {args.backfill}")
-    return ec.verified(args.max_draft)
+    return ec.verified(args.max_draft, args.verify_sampling)
 
 
 def _tune(args) -> int:
@@ -489,7 +492,7 @@ def _compile(args) -> int:
     elif ec is not None and args.exit_policy:
         ec = dataclasses.replace(ec, policy=args.exit_policy)
     if ec is not None and args.verify_exits:
-        ec = ec.verified(args.max_draft)
+        ec = ec.verified(args.max_draft, args.verify_sampling)
     config = EngineConfig.make(**_engine_kwargs(args))
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
@@ -564,6 +567,9 @@ def _add_compile_parser(sub) -> None:
                    "exits (the run of drafts riding along, the final head over it)")
     c.add_argument("--max-draft", type=int, default=None, help="--verify-exits: drafts a run "
                    "(default: the exit config's)")
+    c.add_argument("--verify-sampling", choices=VERIFY_SAMPLINGS, default=None,
+                   help="--verify-exits: how sampled drafts are checked (default: the exit "
+                   "config's)")
     c.add_argument("--decode-only", action="store_true", help="no prefill programs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_compile)
@@ -663,6 +669,12 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     e.add_argument("--max-draft", type=int, default=None,
                    help="--verify-exits: the longest run of drafts before it is verified "
                    f"(default: the exit config's, {ExitConfig.max_draft})")
+    e.add_argument("--verify-sampling", choices=VERIFY_SAMPLINGS, default=None,
+                   help="--verify-exits, temperature > 0: coupled (default) keeps a draft "
+                   "where it equals the full model's sample under the request's key (seeded "
+                   "outputs are --no-early-exit's, whatever shares the batch); rejection is "
+                   "standard speculative sampling (min(1, p/q): more drafts kept, the same "
+                   "distribution, different seeded tokens)")
     e.add_argument("--draft-layer", type=int, default=None,
                    help="draft every token at this exit (of --exit-layers), whatever its "
                    "confidence: LayerSkip's self-speculation (with --verify-exits "

@@ -172,6 +172,121 @@ def test_seeded_samples_equal_full_depths(engines, full_engine, name):
     assert alone[0].token_ids == ref[2].token_ids
 
 
+# --------------------------------------------------------------------------- rejection sampling
+
+
+DRAFT_EXIT = 3
+
+
+@pytest.fixture(scope="module")
+def rejection_engine():
+    """Standard speculative sampling (verify_sampling "rejection"); every token drafts at exit
+    3 (threshold 0; its top-4 overlaps the last layer's enough that drafts are kept as well
+    as replaced), runs of 2, so almost every token after the prefill's is a checked draft."""
+    ec = ExitConfig(exit_layers=(DRAFT_EXIT,), threshold=0.0, policy="per_row",
+                    verify_sampling="rejection").verified(2)
+    return _engine(ec, _heads(ec, 0.0), max_num_seqs=16, batch_buckets=(1, 4, 16),
+                   num_pages=160, max_num_batched_tokens=512)
+
+
+def test_rejection_greedy_equals_full_depth(rejection_engine, dense):
+    outs = run_requests(rejection_engine, PROMPTS,
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == dense
+
+
+def _first_tokens_distribution(prompt: list[int], n: int, k: int, exit_layer: int | None):
+    """The exact distribution of the first n sampled tokens (temperature 1, top-k k) [k**n
+    sequences -> probability], each token drawn from the full model (exit_layer None) or,
+    after the first, from the norm head at `exit_layer` (what the drafts are drawn from):
+    dense forwards, no cache, no engine."""
+    fwd = jax.jit(lambda toks: llama.forward(PARAMS, toks, CFG, return_hidden=True))
+    probs = {(): 1.0}
+    for i in range(n):
+        seqs = list(probs)
+        toks = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
+        logits, hidden = fwd(toks)
+        if i > 0 and exit_layer is not None:
+            logits = llama.final_head(PARAMS, hidden[exit_layer - 1], CFG)
+        last = np.asarray(logits[:, -1], np.float64)  # [S, V]
+        nxt = {}
+        for s, row in zip(seqs, last, strict=True):
+            top = np.argsort(-row)[:k]
+            w = np.exp(row[top] - row[top].max())
+            for t, pt in zip(top, w / w.sum(), strict=True):
+                nxt[s + (int(t),)] = probs[s] * pt
+        probs = nxt
+    return probs
+
+
+def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic of `counts` (n samples) against `probs`, cells with an expected
+    count under 5 pooled into one; returns (statistic, degrees of freedom)."""
+    stat, pool_obs, pool_exp, cells = 0.0, 0, 0.0, 0
+    for seq, p in probs.items():
+        obs, exp = counts.get(seq, 0), n * p
+        if exp < 5:
+            pool_obs, pool_exp = pool_obs + obs, pool_exp + exp
+            continue
+        stat, cells = stat + (obs - exp) ** 2 / exp, cells + 1
+    outside = n - sum(counts.get(s, 0) for s in probs)  # sequences the truth calls impossible
+    assert outside == 0, f"{outside} samples outside the full model's top-k support"
+    if pool_exp > 0:
+        stat, cells = stat + (pool_obs - pool_exp) ** 2 / pool_exp, cells + 1
+    return stat, cells - 1
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at a normal quantile z (3.09: false-alarm rate 1e-3), by
+    Wilson and Hilferty's cube-root approximation (within a few % for df >= 3)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * np.sqrt(a)) ** 3
+
+
+def test_rejection_sampling_has_the_full_models_distribution(rejection_engine):
+    """The first three tokens (the first from the prefill, then checked drafts) of 1504
+    seeded requests at temperature 1, top-k 4: their joint frequencies fit the full model's
+    exact distribution (Pearson's chi-square, false-alarm rate 1e-3; the seeds are fixed, so
+    the outcome is too), and do not fit the drafts' own (the exit head's), so the test can
+    tell the two apart; drafts were both kept and replaced."""
+    n, k, prompt = 1504, 4, PROMPTS[0]
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=s, max_tokens=4) for s in range(n)]
+    eng = rejection_engine
+    before = dataclasses.replace(eng.stats)
+    # in waves of a full batch: a decode row drafts only in pure decode steps, not beside
+    # another request's prefill
+    outs = [o for i in range(0, n, 16) for o in run_requests(eng, [prompt] * 16,
+                                                             params[i:i + 16])]
+    drafted = eng.stats.num_drafted - before.num_drafted
+    accepted = eng.stats.num_accepted - before.num_accepted
+    assert n < drafted and 0.05 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+    counts: dict = {}
+    for o in outs:
+        key = tuple(o.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    full = _first_tokens_distribution(prompt, 3, k, None)
+    stat, df = _chi_square(counts, full, n)
+    assert stat < _chi_square_critical(df), (stat, df)
+    drafts = _first_tokens_distribution(prompt, 3, k, DRAFT_EXIT)
+    drafts = {s: drafts.get(s, 0.0) for s in set(drafts) | set(counts)}
+    stat_q, df_q = _chi_square({s: c for s, c in counts.items() if drafts[s] > 0},
+                               {s: p for s, p in drafts.items() if p > 0},
+                               sum(c for s, c in counts.items() if drafts[s] > 0))
+    assert stat_q > _chi_square_critical(df_q), (stat_q, df_q)
+
+
+def test_rejection_seeded_request_repeats_whatever_shares_its_batch(rejection_engine):
+    """Per-row drafts fall where the row's own confidence puts them, so a seeded request's
+    checks, and its tokens, are the same alone and in a batch of 4."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=MAX_NEW)
+              for t, k, p, s in ((0.8, 0, 1.0, 1), (1.0, 20, 1.0, 2), (1.2, 0, 0.9, 3),
+                                 (0.6, 5, 0.8, 4))]
+    batch = run_requests(rejection_engine, PROMPTS, params)
+    for i in (0, 2):
+        alone = run_requests(rejection_engine, PROMPTS[i:i + 1], params[i])
+        assert alone[0].token_ids == batch[i].token_ids
+
+
 # --------------------------------------------------------------------------- the engine around
 
 
@@ -243,6 +358,8 @@ def test_bad_settings_name_the_setting():
         ExitConfig(exit_layers=(1,), verify=True, max_draft=0)
     with pytest.raises(ExitConfigError, match="backfill"):
         ExitConfig(exit_layers=(1,), verify=True, backfill="learned")
+    with pytest.raises(ExitConfigError, match="verify_sampling"):
+        ExitConfig(exit_layers=(1,), verify_sampling="typical").verified(2)
     with pytest.raises(ExitConfigError, match="out of range"):
         _engine(ExitConfig(exit_layers=(1, L)).verified(2))
 

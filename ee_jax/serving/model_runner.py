@@ -28,8 +28,13 @@ from ee_jax.serving import attention_kernels, distributed, layouts, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
-from ee_jax.serving.sampling import SamplingTensors, sample, token_logprobs
-from ee_jax.serving.step import Pending, model_step, pending_width, policy_for, run_widths
+from ee_jax.serving.sampling import (
+    SamplingTensors,
+    sample,
+    speculative_check,
+    token_logprobs,
+)
+from ee_jax.serving.step import Pending, model_step, policy_for, run_widths
 
 # Tokens per query block of a ragged prefill step (architecture.md section 5): each row's
 # chunk but its last token is padded to a multiple of this, so a block belongs to one row.
@@ -270,7 +275,7 @@ class StepProgram:
                                  inp["block_positions"] if blocks else None,
                                  inp["block_rows"] if blocks else None)
         policy = policy_for(c.exit_config if shape.exits else None, shape.kind)
-        none = Pending.none(shape.batch, c.model, pending.width)
+        none = Pending.none(shape.batch, c.model, pending.width, pending.q.shape[-1])
         rows_pending = jax.tree.map(
             lambda a, n: jnp.where((prev >= 0).reshape(-1, *[1] * (a.ndim - 1)), a[at], n),
             pending, none)
@@ -288,7 +293,7 @@ class StepProgram:
         last_tokens = jnp.zeros_like(last_tokens).at[:shape.batch].set(sampled)
         if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
             # tokens where they are (its rows' own are dropped: InputBatch never asks again)
-            new = result.pending if result.pending.width == pending.width else none
+            new = result.pending if result.pending.shapes == none.shapes else none
             pending = jax.tree.map(lambda a, n: jnp.zeros_like(a).at[:shape.batch].set(n),
                                    pending, new)
         return cache, pack_results(sampled, logprobs, result.exit_layer,
@@ -301,45 +306,64 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     """Draft or verify each row of a verified-exits step (docs/early_exit.md, "Verified exits").
 
     Every position is sampled as full depth samples it: the same per-request key (seed,
-    token index), the same filters, Gumbel-max over the logits. A draft is the exit head's
-    sample under that key; the final head's sample under the same key is the full model's
-    token there, so a draft is kept exactly where the two agree (greedy: equal argmaxes).
-    The emitted tokens are then *the* tokens full depth emits with that seed, whatever
-    shares the batch and wherever runs start: a lossless coupling (its acceptance is at most
-    standard speculative sampling's min(1, p/q), reached when q and p agree).
+    token index), the same filters, Gumbel-max over the logits; a draft is the exit head's
+    sample under that key. How a verify checks a draft (`ExitConfig.verify_sampling`):
+    "coupled" keeps it exactly where the final head's sample under the same key, the full
+    model's token there, agrees (greedy: equal argmaxes), so the emitted tokens are *the*
+    tokens full depth emits with that seed, whatever shares the batch; "rejection" is
+    standard speculative sampling (`sampling.speculative_check`, the run's q carried in
+    `run.q`), which keeps more drafts, at the full model's distribution but not its seeded
+    tokens. Both take the full model's sample at the row's own position (a verifying row
+    ran every layer for it).
 
     Returns (each row's next input token [B], its logprob [B], the emitted columns
     (count [B], tokens [B, P + 1], logprobs [B, P + 1] (bit-cast), exit layers [B, P + 1]),
     the result with the drafts filled into its pending run)."""
     L = cfg.n_layers
     B, P = run.token.shape
-    V = result.logits.shape[-1]
+    rejection = run.q.shape[-1] > 0
     j = jnp.arange(P + 1, dtype=jnp.int32)
     left = (result.exit_layer > 0) & (result.exit_layer < L)  # drafting rows
     verified = result.exit_layer == L
 
     valid = run.token >= 0  # [B, P], right aligned
 
-    def last_slots(w: int):  # samples at the runs' last w entries and the rows' own tokens
+    def last_slots(w: int):
+        """At the runs' last w entries and the rows' own positions: each position's token
+        (the kept draft, else the check's) [B, P + 1], whether the draft was kept [B, P],
+        the token's logprob under the full model [B, P + 1]."""
         def f():
-            logits = jnp.concatenate([result.run_logits[:, P - w:], result.logits[:, None]],
-                                     axis=1).reshape(B * (w + 1), V)
+            def slots(a, own):  # [B, w + 1, ...] -> [B * (w + 1), ...]
+                both = jnp.concatenate([a[:, P - w:], own[:, None].astype(a.dtype)], axis=1)
+                return both.reshape(B * (w + 1), *a.shape[2:])
+
+            logits = slots(result.run_logits, result.logits)
             rep = SamplingTensors(*(jnp.repeat(a, w + 1) for a in (
                 st.temperature, st.top_k, st.top_p, st.seeds)),
                 steps=jnp.maximum(st.steps[:, None] - w + j[:w + 1], 0).reshape(-1))
-            tok = sample(logits, rep)
-            lp = token_logprobs(logits, tok)
-            return (jnp.zeros((B, P + 1), jnp.int32).at[:, P - w:].set(tok.reshape(B, w + 1)),
-                    jnp.zeros((B, P + 1), jnp.float32).at[:, P - w:].set(
-                        lp.reshape(B, w + 1)))
+            tok = sample(logits, rep)  # the full model's sample (a drafting row's: its draft)
+            drafts = jnp.maximum(slots(run.token, jnp.zeros((B,), jnp.int32)), 0)
+            if rejection:
+                kept, other = speculative_check(logits, slots(run.q, result.logits), drafts,
+                                                rep)
+            else:
+                kept, other = drafts == tok, tok
+            own = (j[:w + 1] == w)[None]  # [1, w + 1]
+            out = jnp.where(own, tok.reshape(B, w + 1),
+                            jnp.where(kept, drafts, other).reshape(B, w + 1))
+            lp = token_logprobs(logits, out.reshape(-1)).reshape(B, w + 1)
+            return (jnp.zeros((B, P + 1), jnp.int32).at[:, P - w:].set(out),
+                    jnp.zeros((B, P), bool).at[:, P - w:].set(
+                        kept.reshape(B, w + 1)[:, :w]),
+                    jnp.zeros((B, P + 1), jnp.float32).at[:, P - w:].set(lp))
         return f
 
     # as many slots as the longest verifying run needs, bucketed as the step's head was
     widths = run_widths(P)
     need = jnp.max(jnp.where(verified, jnp.sum(valid, axis=1), 0))
-    full, lps = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), need),
-                               [last_slots(w) for w in widths])
-    match = (run.token == full[:, :P]) | ~valid
+    full, kept, lps = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), need),
+                                     [last_slots(w) for w in widths])
+    match = kept | ~valid
     first_miss = jnp.argmin(jnp.concatenate([match, jnp.zeros((B, 1), bool)], axis=1), axis=1)
     start = P - jnp.sum(valid, axis=1)  # the run's first entry
     count = jnp.where(verified, first_miss - start + 1, 0)  # kept drafts + the full token
@@ -352,9 +376,9 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     at = jnp.where(verified, first_miss, P)[:, None]
     nxt = jnp.take_along_axis(full, at, axis=1)[:, 0]
     nxt_lp = jnp.take_along_axis(lps, at, axis=1)[:, 0]
-    kept = jnp.sum(valid, axis=1) + 1 - count  # rejected drafts and beyond: rolled back
+    dropped = jnp.sum(valid, axis=1) + 1 - count  # rejected drafts and beyond: rolled back
     pending = dataclasses.replace(result.pending, token=result.pending.token.at[:, P - 1].set(
-        jnp.where(left, full[:, P], -1)), rollback=jnp.where(verified, kept, 0))
+        jnp.where(left, full[:, P], -1)), rollback=jnp.where(verified, dropped, 0))
     emitted = (count, tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32), layers)
     return nxt, nxt_lp, emitted, dataclasses.replace(result, pending=pending)
 
@@ -472,8 +496,8 @@ class ModelRunner:
         # The latest step's tokens that left early, for back-fill "deferred": the next decode
         # step runs their skipped layers beside the rows' own tokens (step.Pending).
         def state():
-            return jnp.zeros((max_batch,), jnp.int32), Pending.none(
-                max_batch, cfg, pending_width(exit_config))
+            return jnp.zeros((max_batch,), jnp.int32), Pending.for_config(
+                max_batch, cfg, exit_config)
 
         self.last_tokens, self.pending = _place(
             jax.eval_shape(state) if abstract else state(),
@@ -500,8 +524,8 @@ class ModelRunner:
                                                                sharding=where), t)
 
         def state():
-            return jnp.zeros((max_batch,), jnp.int32), Pending.none(
-                max_batch, cfg, pending_width(exit_config))
+            return jnp.zeros((max_batch,), jnp.int32), Pending.for_config(
+                max_batch, cfg, exit_config)
 
         last, pend = jax.eval_shape(state)
         args = (sds(self.params), sds(self.exit_heads), sds(self.cache),

@@ -144,32 +144,80 @@ def _filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.max(jnp.where(keys == t[:, None], scaled, -jnp.inf), axis=-1)
 
 
-def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Draw one token per row. logits: [B, V] -> tokens [B] int32.
+def _greedy_rows(st: SamplingTensors) -> jax.Array:
+    return (jnp.asarray(st.temperature, jnp.float32) < GREEDY_EPS) | (
+        jnp.asarray(st.top_k, jnp.int32) == 1)                            # [B]
 
-    Greedy rows (temperature < GREEDY_EPS, or top_k == 1) return exactly argmax(logits).
-    The top-k / top-p threshold is computed only when some sampled row asks for a filter,
-    and the whole random path is skipped when every row is greedy.
-    """
+
+def filtered_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """The logits a sampled row draws from [B, V]: divided by its temperature, -inf outside
+    its top-k / top-p set (greedy rows: the logits as they are). The filter's threshold is
+    computed only when some sampled row asks for one."""
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(st.temperature, jnp.float32)
     top_k = jnp.asarray(st.top_k, jnp.int32)
     top_p = jnp.asarray(st.top_p, jnp.float32)
-    greedy_rows = (temperature < GREEDY_EPS) | (top_k == 1)               # [B]
+    greedy_rows = _greedy_rows(st)
+    scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
+    filtered = ~greedy_rows & ((top_k > 0) | (top_p < 1.0))
+    threshold = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: jnp.where(filtered, _filter_threshold(scaled, top_k, top_p), -jnp.inf),
+        lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Draw one token per row. logits: [B, V] -> tokens [B] int32.
+
+    Greedy rows (temperature < GREEDY_EPS, or top_k == 1) return exactly argmax(logits).
+    The whole random path is skipped when every row is greedy.
+    """
+    greedy_rows = _greedy_rows(st)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
-        scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
-        filtered = ~greedy_rows & ((top_k > 0) | (top_p < 1.0))
-        threshold = jax.lax.cond(
-            jnp.any(filtered),
-            lambda: jnp.where(filtered, _filter_threshold(scaled, top_k, top_p), -jnp.inf),
-            lambda: jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype))
-        masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
-        drawn = jax.vmap(jax.random.categorical)(row_keys(st), masked)
+        drawn = jax.vmap(jax.random.categorical)(row_keys(st), filtered_logits(logits, st))
         return jnp.where(greedy_rows, argmax, drawn.astype(jnp.int32))
 
     return jax.lax.cond(jnp.all(greedy_rows), lambda: argmax, draw)
+
+
+def speculative_check(p_logits: jax.Array, q_logits: jax.Array, draft: jax.Array,
+                      st: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """Standard speculative sampling at one position a row (Leviathan et al. 2023, Chen et
+    al. 2023): a draft d drawn from q is kept with probability min(1, p(d) / q(d)), else the
+    position takes a sample of the normalised max(0, p - q), so the token is distributed as
+    p whatever q is. p and q are the target's and the draft's logits [B, V] after the row's
+    own filters (`filtered_logits`); greedy rows keep d exactly where it is p's argmax.
+
+    The draft must have been sampled with `sample` under the same row keys: the uniform
+    and the residual draw take keys folded from the row's key (1 and 2), independent of
+    the draft's own noise and of everything else in the batch.
+
+    Returns (kept [B] bool, the token the position takes when the draft is not kept [B])."""
+    greedy_rows = _greedy_rows(st)
+    draft = draft.astype(jnp.int32)
+    argmax = jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
+
+    def check():
+        lp = jax.nn.log_softmax(filtered_logits(p_logits, st), axis=-1)   # [B, V]
+        lq = jax.nn.log_softmax(filtered_logits(q_logits, st), axis=-1)
+        at = draft[:, None]
+        ratio = (jnp.take_along_axis(lp, at, axis=-1)
+                 - jnp.take_along_axis(lq, at, axis=-1))[:, 0]            # log p(d)/q(d)
+        keys = row_keys(st)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+        kept = jnp.log(u) < ratio
+        resid = jnp.maximum(jnp.exp(lp) - jnp.exp(lq), 0.0)               # [B, V]
+        # p == q leaves no residual; the draft is then always kept, and p stands in
+        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, jnp.exp(lp))
+        other = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), r))(
+            keys, jnp.log(resid)).astype(jnp.int32)
+        return (jnp.where(greedy_rows, draft == argmax, kept),
+                jnp.where(greedy_rows, argmax, other))
+
+    return jax.lax.cond(jnp.all(greedy_rows), lambda: (draft == argmax, argmax), check)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -107,18 +107,32 @@ class Pending:
     # which launched the next step before reading this one, counted them; that step takes
     # them off its positions, lengths and sample indices (`model_runner`)
     rollback: jax.Array
+    # [B, P, Vq] f32, verify_sampling "rejection": the exit logits each draft was sampled
+    # from (its q, Vq = vocab_size); Vq = 0 otherwise
+    q: jax.Array
 
     @classmethod
-    def none(cls, batch: int, cfg: ModelConfig, width: int = 1) -> Pending:
+    def none(cls, batch: int, cfg: ModelConfig, width: int = 1, vocab: int = 0) -> Pending:
         return cls(jnp.zeros((batch, width, cfg.d_model), cfg.jnp_dtype),
                    jnp.full((batch, width), cfg.n_layers, jnp.int32),
                    jnp.full((batch, width), -1, jnp.int32),
                    jnp.full((batch, width), cfg.n_layers, jnp.int32),
-                   jnp.zeros((batch,), jnp.int32))
+                   jnp.zeros((batch,), jnp.int32),
+                   jnp.zeros((batch, width, vocab), jnp.float32))
+
+    @classmethod
+    def for_config(cls, batch: int, cfg: ModelConfig, ec: ExitConfig | None) -> Pending:
+        """The empty runs a step under `ec` carries (`pending_width`; q only for rejection)."""
+        rejection = ec is not None and ec.verify and ec.verify_sampling == "rejection"
+        return cls.none(batch, cfg, pending_width(ec), cfg.vocab_size if rejection else 0)
 
     @property
     def width(self) -> int:
         return self.layer.shape[1]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(a.shape for a in jax.tree.leaves(self))
 
 
 def pending_width(ec: ExitConfig | None) -> int:
@@ -335,9 +349,10 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     deferred = rides_along(ec.backfill) or verify  # pending queries ride along
     P = pending_width(ec)
     if pending is None or not deferred:
-        pending = Pending.none(B, cfg, P)
-    if pending.width != P:
-        raise ValueError(f"pending has {pending.width} entries a row, the exit config {P}")
+        pending = Pending.for_config(B, cfg, ec)
+    if pending.shapes != Pending.for_config(B, cfg, ec).shapes:
+        raise ValueError(f"pending's shapes {pending.shapes} are not the exit config's "
+                         f"{Pending.for_config(B, cfg, ec).shapes}")
     if verify:  # a row whose run is full verifies (the host, a step behind, cannot tell)
         full_run = jnp.sum(pending.token >= 0, axis=1) >= P
         thresholds = jnp.where(full_run, jnp.inf, thresholds)
@@ -567,7 +582,7 @@ def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, acti
     run_logits, logits = jax.lax.switch(
         branch, [lambda: (jnp.zeros((B, P, V), jnp.float32), logits)]
         + [verify_head(w) for w in widths])
-    empty = Pending.none(B, cfg, P)
+    empty = Pending.none(B, cfg, P, run.q.shape[-1])
     own = left[:, None]
 
     def shift(old, new, fill):  # [B, P]: entries 1.. move down, the row's own token last
@@ -577,7 +592,8 @@ def _finish_run(params, s: _Loop, run: Pending, h_exit, logits, exit_layer, acti
     nxt = Pending(h=shift(hs, h_exit.astype(hs.dtype), empty.h),
                   layer=shift(depth, exit_layer, empty.layer),
                   token=shift(run.token, jnp.full((B,), -1, jnp.int32), empty.token),
-                  exit=shift(run.exit, exit_layer, empty.exit), rollback=empty.rollback)
+                  exit=shift(run.exit, exit_layer, empty.exit), rollback=empty.rollback,
+                  q=shift(run.q, logits, empty.q) if run.q.shape[-1] else empty.q)
     return StepResult(logits=logits, exit_layer=exit_layer, checks=s.checks, work=s.work,
                       pending=nxt, run_logits=run_logits)
 

@@ -23,11 +23,13 @@ HeadType = Literal["norm", "adapter", "mlp", "branch"]
 Measure = Literal["max_prob", "margin", "entropy", "saturation", "classifier", "candidates"]
 Policy = Literal["all", "quorum", "never", "per_row"]
 Backfill = Literal["propagate", "deferred", "learned", "deferred_learned"]
+VerifySampling = Literal["coupled", "rejection"]
 MEASURES = ("max_prob", "margin", "entropy", "saturation", "classifier", "candidates")
 VOCAB_MEASURES = ("max_prob", "margin", "entropy")
 HEADS = ("norm", "adapter", "mlp", "branch")
 POLICIES = ("all", "quorum", "never", "per_row")
 BACKFILLS = ("propagate", "deferred", "learned", "deferred_learned")
+VERIFY_SAMPLINGS = ("coupled", "rejection")
 
 
 def rides_along(backfill: str) -> bool:
@@ -132,6 +134,17 @@ class ExitConfig:
     # not. 4: for the shipped SmolLM2 heads the ceiling at 4 equals 8's and beats 2's on every
     # workload (docs/benchmarks.md, "Verified exits"), with fewer drafts riding a step
     max_draft: int = 4
+    # verify, rows with temperature > 0: how the full model checks a draft (greedy rows keep
+    # a draft where it is the full model's argmax under both). "coupled": each position is
+    # sampled with the request's key for its token index, from the exit's logits (the draft)
+    # and from the final head's (the full model's token); a draft is kept where the two
+    # agree, so a seeded request emits exactly full depth's tokens whatever shares its batch.
+    # "rejection": standard speculative sampling, keep d with probability min(1, p(d)/q(d)),
+    # else sample the normalised max(0, p - q): the full model's distribution at the highest
+    # acceptance any check can have, but the tokens depend on where drafts fall (under
+    # policy "all", on the batch). Its runs carry each draft's exit logits ([max_draft, V]
+    # f32 a row) to the verify.
+    verify_sampling: VerifySampling = "coupled"
     # Exits trained with parts of their own (EE-LLM and EE-Tuning checkpoints,
     # `ee_jax.models.formats.megatron`). head "branch": the exit reads its layer's state after
     # attention, m, and adds an MLP of its own, m + mlp_branch(rms(m)) (EE-LLM's exit MLP:
@@ -167,6 +180,9 @@ class ExitConfig:
                 and self.max_draft >= 1):
             raise ExitConfigError(f"max_draft must be an integer >= 1 (drafts in a run before "
                                   f"it is verified), got {self.max_draft!r}")
+        if self.verify_sampling not in VERIFY_SAMPLINGS:
+            raise ExitConfigError(f"unknown verify_sampling {self.verify_sampling!r}; choose "
+                                  f"one of {VERIFY_SAMPLINGS}")
         if self.verify and self.backfill != "deferred":
             raise ExitConfigError(
                 f"verify=True cannot use backfill {self.backfill!r}: verified exits write "
@@ -227,11 +243,15 @@ class ExitConfig:
             raise ExitConfigError(f"candidates {self.candidates} exceeds the model's "
                                   f"vocabulary of {cfg.vocab_size} tokens")
 
-    def verified(self, max_draft: int | None = None) -> ExitConfig:
+    def verified(self, max_draft: int | None = None,
+                 sampling: VerifySampling | None = None) -> ExitConfig:
         """These exits as verified drafts (lossless): back-fill "deferred", `max_draft`
-        drafts a run (None: keep this config's)."""
-        return dataclasses.replace(self, verify=True, backfill="deferred",
-                                   max_draft=self.max_draft if max_draft is None else max_draft)
+        drafts a run, drafts sampled at temperature > 0 checked by `sampling` (None: keep
+        this config's)."""
+        return dataclasses.replace(
+            self, verify=True, backfill="deferred",
+            max_draft=self.max_draft if max_draft is None else max_draft,
+            verify_sampling=self.verify_sampling if sampling is None else sampling)
 
     @property
     def own_parts(self) -> bool:
