@@ -189,8 +189,10 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
 
         free = [SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens)
                 for i in range(len(prompts))]
-        refs = [o.token_ids for o in serve(full, prompts, free).outputs]
+        vrefs = [o.token_ids for o in serve(full, prompts, free).outputs]
         verified["full depth"] = None  # serves `free` too
+    else:
+        vrefs = refs
     res = {k: dict(tps=[], contention=[], compile=0.0) for k in engines}
     for name, llm in engines.items():  # warm-up: every program these sequences need
         s = serve(llm, prompts, free if name in verified else params)
@@ -209,7 +211,7 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
                 r.update(mean=ex["mean_layers"], hist=ex["row_hist"],
                          ideal=honest_ideal(model.config, ecs[name], heads, s.stats))
                 if verified.get(name) is not None:  # lossless: the references' tokens
-                    same = [o.token_ids == ref for o, ref in zip(s.outputs, refs, strict=True)]
+                    same = [o.token_ids == ref for o, ref in zip(s.outputs, vrefs, strict=True)]
                     r.update(agree=float(np.mean(same)), split=(float("nan"),) * 2 + (0,),
                              accept=s.stats.acceptance_rate, drafted=s.stats.num_drafted,
                              ideal=verified_ideal(model.config, ecs[name], s.stats))

@@ -214,7 +214,7 @@ def _first_tokens_distribution(prompt: list[int], n: int, k: int, exit_layer: in
             top = np.argsort(-row)[:k]
             w = np.exp(row[top] - row[top].max())
             for t, pt in zip(top, w / w.sum(), strict=True):
-                nxt[s + (int(t),)] = probs[s] * pt
+                nxt[(*s, int(t))] = probs[s] * pt
         probs = nxt
     return probs
 

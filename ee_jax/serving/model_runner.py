@@ -30,8 +30,9 @@ from ee_jax.serving.compilation import ProgramCache, abstract_signature
 from ee_jax.serving.kv_cache import NULL_PAGE, KVCache
 from ee_jax.serving.sampling import (
     SamplingTensors,
+    draft_kept,
+    residual_sample,
     sample,
-    speculative_check,
     token_logprobs,
 )
 from ee_jax.serving.step import Pending, model_step, policy_for, run_widths
@@ -234,7 +235,8 @@ class StepConfig:
 
 class StepProgram:
     """The jitted step of one StepConfig: `jitted(shape, params, heads, cache, buf,
-    last_tokens, pending)` with the cache donated. `traces` counts traces per StepShape."""
+    last_tokens, pending)` with the cache and the pending runs donated (each step's
+    state is the next step's alone). `traces` counts traces per StepShape."""
 
     def __init__(self, config: StepConfig):
         self.config = config
@@ -247,7 +249,8 @@ class StepProgram:
         if config.cache_format is not None:
             dev = config.cache_format.k.sharding
             jit_kw["out_shardings"] = (config.cache_format, dev, dev, dev)
-        self.jitted = jax.jit(self._impl, static_argnums=(0,), donate_argnums=(3,), **jit_kw)
+        self.jitted = jax.jit(self._impl, static_argnums=(0,), donate_argnums=(3, 6),
+                              **jit_kw)
 
     def _impl(self, shape: StepShape, params, heads, cache: KVCache, buf: jax.Array,
               last_tokens: jax.Array, pending: Pending):
@@ -294,8 +297,15 @@ class StepProgram:
         if shape.kind == "decode":  # a prefill step leaves the latest decode step's pending
             # tokens where they are (its rows' own are dropped: InputBatch never asks again)
             new = result.pending if result.pending.shapes == none.shapes else none
-            pending = jax.tree.map(lambda a, n: jnp.zeros_like(a).at[:shape.batch].set(n),
-                                   pending, new)
+            if new.q.shape[-1]:  # "rejection": the in-place write of q after every read
+                # of the old q (the residual's, late): XLA orders a buffer's in-place write
+                # after the reads it depends on, and otherwise copies the whole state
+                # ([max_batch, P, V]) first; optimization barriers do not survive to that
+                # point on CPU. `sampled` is never negative, which XLA cannot know.
+                new = dataclasses.replace(new, q=jnp.where(jnp.min(sampled) < 0, 0.0, new.q))
+            # written in place (the state is donated): rows past this step's are never
+            # read (the next step's rows that ride along were this step's)
+            pending = jax.tree.map(lambda a, n: a.at[:shape.batch].set(n), pending, new)
         return cache, pack_results(sampled, logprobs, result.exit_layer,
                                    *(jnp.broadcast_to(a, sampled.shape)
                                      for a in (result.checks, result.work)),
@@ -311,9 +321,9 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     "coupled" keeps it exactly where the final head's sample under the same key, the full
     model's token there, agrees (greedy: equal argmaxes), so the emitted tokens are *the*
     tokens full depth emits with that seed, whatever shares the batch; "rejection" is
-    standard speculative sampling (`sampling.speculative_check`, the run's q carried in
-    `run.q`), which keeps more drafts, at the full model's distribution but not its seeded
-    tokens. Both take the full model's sample at the row's own position (a verifying row
+    standard speculative sampling (`sampling.draft_kept`, `residual_sample`; the run's q
+    carried in `run.q`), which keeps more drafts, at the full model's distribution but not
+    its seeded tokens. Both take the full model's sample at the row's own position (a verifying row
     ran every layer for it).
 
     Returns (each row's next input token [B], its logprob [B], the emitted columns
@@ -329,9 +339,9 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     valid = run.token >= 0  # [B, P], right aligned
 
     def last_slots(w: int):
-        """At the runs' last w entries and the rows' own positions: each position's token
-        (the kept draft, else the check's) [B, P + 1], whether the draft was kept [B, P],
-        the token's logprob under the full model [B, P + 1]."""
+        """At the runs' last w entries and the rows' own positions: coupled, the full
+        model's samples [B, P + 1]; whether each entry's draft is kept [B, P]; the final
+        head's log-normaliser at each position [B, P + 1] (for the emitted logprobs)."""
         def f():
             def slots(a, own):  # [B, w + 1, ...] -> [B * (w + 1), ...]
                 both = jnp.concatenate([a[:, P - w:], own[:, None].astype(a.dtype)], axis=1)
@@ -341,30 +351,39 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
             rep = SamplingTensors(*(jnp.repeat(a, w + 1) for a in (
                 st.temperature, st.top_k, st.top_p, st.seeds)),
                 steps=jnp.maximum(st.steps[:, None] - w + j[:w + 1], 0).reshape(-1))
-            tok = sample(logits, rep)  # the full model's sample (a drafting row's: its draft)
             drafts = jnp.maximum(slots(run.token, jnp.zeros((B,), jnp.int32)), 0)
-            if rejection:
-                kept, other = speculative_check(logits, slots(run.q, result.logits), drafts,
-                                                rep)
+            if rejection:  # the tokens are chosen below, where the first draft is dropped
+                kept = draft_kept(logits, slots(run.q, result.logits), drafts, rep)
+                full = drafts
             else:
-                kept, other = drafts == tok, tok
-            own = (j[:w + 1] == w)[None]  # [1, w + 1]
-            out = jnp.where(own, tok.reshape(B, w + 1),
-                            jnp.where(kept, drafts, other).reshape(B, w + 1))
-            lp = token_logprobs(logits, out.reshape(-1)).reshape(B, w + 1)
-            return (jnp.zeros((B, P + 1), jnp.int32).at[:, P - w:].set(out),
-                    jnp.zeros((B, P), bool).at[:, P - w:].set(
-                        kept.reshape(B, w + 1)[:, :w]),
-                    jnp.zeros((B, P + 1), jnp.float32).at[:, P - w:].set(lp))
+                full = sample(logits, rep)
+                kept = drafts == full
+            lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+            return (jnp.zeros((B, P + 1), jnp.int32).at[:, P - w:].set(full.reshape(B, w + 1)),
+                    jnp.zeros((B, P), bool).at[:, P - w:].set(kept.reshape(B, w + 1)[:, :w]),
+                    jnp.zeros((B, P + 1), jnp.float32).at[:, P - w:].set(lse.reshape(B, w + 1)))
         return f
 
     # as many slots as the longest verifying run needs, bucketed as the step's head was
     widths = run_widths(P)
     need = jnp.max(jnp.where(verified, jnp.sum(valid, axis=1), 0))
-    full, kept, lps = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), need),
+    full, kept, lse = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), need),
                                      [last_slots(w) for w in widths])
     match = kept | ~valid
     first_miss = jnp.argmin(jnp.concatenate([match, jnp.zeros((B, 1), bool)], axis=1), axis=1)
+    if rejection:  # kept drafts, then the residual's sample where one was dropped, else the
+        # full model's at the row's own position (a drafting row's: its draft)
+        own = sample(result.logits, st)
+        at = jnp.minimum(first_miss, P - 1)
+        resid = residual_sample(
+            jnp.take_along_axis(result.run_logits, at[:, None, None], axis=1)[:, 0],
+            jnp.take_along_axis(run.q, at[:, None, None], axis=1)[:, 0],
+            dataclasses.replace(st, steps=jnp.maximum(st.steps - P + at, 0)))
+        miss = jnp.where(first_miss < P, resid, own)
+        full = jnp.where(j[None] == first_miss[:, None], miss[:, None],
+                         jnp.concatenate([jnp.maximum(run.token, 0), own[:, None]], axis=1))
+    both = jnp.concatenate([result.run_logits, result.logits[:, None]], axis=1)  # [B, P+1, V]
+    lps = jnp.take_along_axis(both, full[..., None], axis=-1)[..., 0] - lse
     start = P - jnp.sum(valid, axis=1)  # the run's first entry
     count = jnp.where(verified, first_miss - start + 1, 0)  # kept drafts + the full token
     idx = jnp.minimum(start[:, None] + j, P)  # [B, P + 1]

@@ -183,41 +183,48 @@ def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jax.lax.cond(jnp.all(greedy_rows), lambda: argmax, draw)
 
 
-def speculative_check(p_logits: jax.Array, q_logits: jax.Array, draft: jax.Array,
-                      st: SamplingTensors) -> tuple[jax.Array, jax.Array]:
-    """Standard speculative sampling at one position a row (Leviathan et al. 2023, Chen et
-    al. 2023): a draft d drawn from q is kept with probability min(1, p(d) / q(d)), else the
-    position takes a sample of the normalised max(0, p - q), so the token is distributed as
-    p whatever q is. p and q are the target's and the draft's logits [B, V] after the row's
-    own filters (`filtered_logits`); greedy rows keep d exactly where it is p's argmax.
-
-    The draft must have been sampled with `sample` under the same row keys: the uniform
-    and the residual draw take keys folded from the row's key (1 and 2), independent of
-    the draft's own noise and of everything else in the batch.
-
-    Returns (kept [B] bool, the token the position takes when the draft is not kept [B])."""
+def draft_kept(p_logits: jax.Array, q_logits: jax.Array, draft: jax.Array,
+               st: SamplingTensors) -> jax.Array:
+    """Standard speculative sampling's test at one position a row (Leviathan et al. 2023,
+    Chen et al. 2023): whether a draft d drawn from q is kept, with probability
+    min(1, p(d) / q(d)). p and q are the target's and the draft's logits [B, V], each after
+    the row's own filters (`filtered_logits`); a greedy row keeps d where it is p's argmax.
+    The uniform draws from the row's key folded with 1: independent of the draft's own
+    noise (`sample` under the same key) and of the rest of the batch. Returns [B] bool."""
     greedy_rows = _greedy_rows(st)
-    draft = draft.astype(jnp.int32)
+    draft = draft.astype(jnp.int32)[:, None]
     argmax = jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
 
     def check():
         lp = jax.nn.log_softmax(filtered_logits(p_logits, st), axis=-1)   # [B, V]
         lq = jax.nn.log_softmax(filtered_logits(q_logits, st), axis=-1)
-        at = draft[:, None]
-        ratio = (jnp.take_along_axis(lp, at, axis=-1)
-                 - jnp.take_along_axis(lq, at, axis=-1))[:, 0]            # log p(d)/q(d)
-        keys = row_keys(st)
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-        kept = jnp.log(u) < ratio
-        resid = jnp.maximum(jnp.exp(lp) - jnp.exp(lq), 0.0)               # [B, V]
-        # p == q leaves no residual; the draft is then always kept, and p stands in
-        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, jnp.exp(lp))
-        other = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), r))(
-            keys, jnp.log(resid)).astype(jnp.int32)
-        return (jnp.where(greedy_rows, draft == argmax, kept),
-                jnp.where(greedy_rows, argmax, other))
+        ratio = (jnp.take_along_axis(lp, draft, axis=-1)
+                 - jnp.take_along_axis(lq, draft, axis=-1))[:, 0]         # log p(d)/q(d)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(row_keys(st))
+        return jnp.where(greedy_rows, draft[:, 0] == argmax, jnp.log(u) < ratio)
 
-    return jax.lax.cond(jnp.all(greedy_rows), lambda: (draft == argmax, argmax), check)
+    return jax.lax.cond(jnp.all(greedy_rows), lambda: draft[:, 0] == argmax, check)
+
+
+def residual_sample(p_logits: jax.Array, q_logits: jax.Array,
+                    st: SamplingTensors) -> jax.Array:
+    """The token a position takes where `draft_kept` dropped its draft: a sample of the
+    normalised max(0, p - q), so the position's token is distributed as p whatever q is
+    (p == q leaves no residual, and then the draft is always kept: p stands in). Greedy
+    rows: p's argmax. Keys: the row's folded with 2. Returns [B] int32."""
+    greedy_rows = _greedy_rows(st)
+    argmax = jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        p = jax.nn.softmax(filtered_logits(p_logits, st), axis=-1)        # [B, V]
+        q = jax.nn.softmax(filtered_logits(q_logits, st), axis=-1)
+        resid = jnp.maximum(p - q, 0.0)
+        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p)
+        drawn = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), r))(
+            row_keys(st), jnp.log(resid))
+        return jnp.where(greedy_rows, argmax, drawn.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(greedy_rows), lambda: argmax, draw)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
