@@ -109,7 +109,14 @@ from ee_jax.models.exits import heads as exit_heads
 from ee_jax.models.exits.cost import Count, step_work
 from ee_jax.serving import attention_kernels, hlo, layouts
 from ee_jax.serving.aot import compile as aot
-from ee_jax.serving.aot.roofline import Cost, Pieces, analytic_bytes, per_unit, seconds
+from ee_jax.serving.aot.roofline import (
+    Cost,
+    Pieces,
+    layer_weight_bytes,
+    per_unit,
+    seconds,
+    step_bytes,
+)
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.kv_cache import KERNEL_BACKENDS, KVCache, cache_shape, pad_head_dim, write_layer
 from ee_jax.serving.paged_model import attend, paged_layer
@@ -260,11 +267,6 @@ class Hand:
         return self.weights + self.kv_read + self.kv_write + self.other
 
 
-def layer_weight_bytes(cfg) -> float:
-    D, H, K, hd, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    return (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * cfg.jnp_dtype.itemsize
-
-
 @functools.cache
 def engine_of(cfg, target: aot.Target) -> EnginePlan:
     """The plan of an engine of `cfg` with the default knobs on the target (`plan.engine_plan`):
@@ -299,12 +301,9 @@ def hand_fixed(cfg, B: int) -> Hand:
 
 def analytic_step(cfg, B: int, W: int, kv_itemsize: int | None = None,
                   kv_hd: int | None = None) -> float:
-    """The bytes a full-depth decode step must move: every weight once, the rows' K/V read
-    and this token's K/V written, as stored (kv_hd; `roofline.analytic_bytes` plus the
-    write)."""
-    layer = hand_layer(cfg, B, W, kv_itemsize, kv_hd)
-    return analytic_bytes(cfg.n_layers * layer.weights + hand_fixed(cfg, B).weights,
-                          cfg.n_layers * (layer.kv_read + layer.kv_write))
+    """The bytes a full-depth decode step must move (`roofline.step_bytes`, the one hand
+    count `ee-jax compile` reports too)."""
+    return step_bytes(cfg, B, W, PAGE, kv_itemsize=kv_itemsize, kv_hd=kv_hd)
 
 
 POOL = "layer over the pool (as the step runs it)"

@@ -502,35 +502,59 @@ def _compile(args) -> int:
           f"{target.name} ({target.num_devices} device(s), mesh {engine.mesh or 'none'}), "
           f"attention {engine.attention}, KV pool {engine.num_pages} pages of "
           f"{engine.page_size}", file=sys.stderr)
-    chip = target.chip
-    head = f"{'program':<20} {'kind':<7} {'batch':>5} {'tokens':>6} {'pages':>5} " \
-           f"{'seconds':>7} {'memory GiB':>10} {'roofline ms':>11}  note"
+    chip = target.chip or (aot.host_chip() if target.platform == "cpu" else None)
+    head = f"{'program':<24} {'kind':<7} {'batch':>5} {'tokens':>6} {'pages':>5} " \
+           f"{'seconds':>7} {'memory GiB':>10} {'MB read':>9} {'by hand':>8} " \
+           f"{'roofline ms':>11} {'copies':>6}  note"
     print(head)
     rows, t0 = [], time.perf_counter()
+    total = dict(seconds=0.0, read=0.0, hand=0.0, ms=0.0, copies=0)
+
+    def roof(t) -> float | None:
+        if t is None or chip is None:
+            return None
+        return 1e3 * roofline.seconds(roofline.Cost(t.flops, t.bytes), chip.peak_flops,
+                                      chip.hbm_bytes_per_s)
+
     for row in tqdm(plan.compile(), total=len(plan), desc=verb, unit="program",
                     file=sys.stderr, disable=args.quiet, leave=False):
         rows.append(row)
-        s = row.shape
+        s, t = row.shape, row.traffic
         mem = "-" if row.device_bytes is None else f"{row.device_bytes / 2**30:.3f}"
-        pred = "-"
-        if row.flops is not None and chip is not None:
-            t = roofline.seconds(roofline.Cost(row.flops, row.bytes_accessed),
-                                 chip.peak_flops, chip.hbm_bytes_per_s)
-            pred = f"{t * 1e3:.3f}" + ("*" if row.variant != "full" else "")
+        hand = plan.hand_bytes(s)
+        ms = roof(t)
+        read = "-" if t is None else f"{'>' if t.unknown_loops else ''}{t.bytes / 1e6:.1f}"
+        total["seconds"] += row.seconds
+        total["hand"] += hand
+        if t is not None:
+            total["read"] += t.bytes
+            total["copies"] += t.weight_copies
+            total["ms"] += ms or 0.0
         note = row.error or ("" if target.compiles else "lowered (exported for cuda)")
-        line = f"{row.variant:<20} {s.kind:<7} {s.batch:>5} {s.tokens:>6} {s.pages:>5} " \
-               f"{row.seconds:>7.1f} {mem:>10} {pred:>11}  {note}"
+        line = f"{row.variant:<24} {s.kind:<7} {s.batch:>5} {s.tokens:>6} {s.pages:>5} " \
+               f"{row.seconds:>7.1f} {mem:>10} {read:>9} {hand / 1e6:>8.1f} " \
+               f"{'-' if ms is None else f'{ms:.3f}':>11} " \
+               f"{'-' if t is None else t.weight_copies:>6}  {note}"
         tqdm.write(line, file=sys.stdout)
+    print(f"{'total':<24} {'':<7} {'':>5} {'':>6} {'':>5} {total['seconds']:>7.1f} "
+          f"{'':>10} {total['read'] / 1e6:>9.1f} {total['hand'] / 1e6:>8.1f} "
+          f"{total['ms']:>11.3f} {total['copies']:>6}")
     failed = [r for r in rows if r.error]
     print(f"ee-jax compile: {len(rows) - len(failed)} of {len(rows)} programs "
           f"{'compiled' if target.compiles else 'lowered'} in {time.perf_counter() - t0:.0f} s"
           + (f"; {len(failed)} FAILED" if failed else ""))
-    if any(r.flops is not None for r in rows):
-        print("  roofline: max(flops / peak, bytes / bandwidth) from XLA's cost analysis of "
-              "the whole program as XLA counts it: a loose upper bound (it counts VMEM "
-              "staging, an in-place cache write by its whole pool and a loop's body once; "
-              "* exit programs: one pass of the loop). `python -m bench.roofline` composes "
-              "the decode step from pieces counted faithfully (docs/roofline.md)")
+    if any(r.traffic is not None for r in rows):
+        print("  MB read: what the program moves as it runs, from its optimised HLO "
+              "(`aot.traffic`: a loop's body times its trips, an in-place cache write by its "
+              "updates; '>': a loop whose trips the data decide, an exit program's layers or "
+              "the XLA attention's page blocks, counted once: a lower bound). By hand: every "
+              "weight once, the rows' K/V pages and this step's K/V (`roofline.step_bytes`, "
+              "at full depth). Roofline: max(flops / peak, MB read / bandwidth) on "
+              f"{chip.name if chip else '-'}"
+              + (f" ({chip.source}: {chip.peak_flops / 1e9:.0f} GFLOP/s, "
+                 f"{chip.hbm_bytes_per_s / 1e9:.1f} GB/s)" if chip else "")
+              + ". Copies: slices copied out of a stacked buffer before use (a layer's "
+              "weights, docs/roofline.md \"CUDA\").")
     mem = aot.memory(plan, rows)
     if mem is not None:
         print(f"memory per chip ({chip.name}): {mem.verdict()}")

@@ -22,6 +22,7 @@ _HEAD = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = ")
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
 _OP = re.compile(r"^ ([\w\-]+)\((.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
+_PART = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")  # a tuple element: its array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,21 @@ class Instr:
     op: str
     rest: str
     root: bool = False
+    elements: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a tuple's arrays (dtype, dims)
+    # memory space of each array of the result (its layout's S(n); 0: device memory, TPU's
+    # 1: VMEM on chip): the array's, or each tuple element's
+    spaces: tuple[int, ...] = (0,)
 
     @property
     def nbytes(self) -> float:
         return shape_bytes(self.dtype or "f32", self.dims or ())
+
+    @property
+    def result_bytes(self) -> float:
+        """Bytes of its result: the array, or the sum of a tuple's arrays."""
+        if self.dims is None:
+            return sum(shape_bytes(d, dims) for d, dims in self.elements)
+        return self.nbytes
 
     @property
     def operands(self) -> list[str]:
@@ -70,8 +82,14 @@ def parse(line: str) -> Instr | None:
     if head is None:
         return None
     text = line[head.end():]
+    elements: tuple = ()
     if text.startswith("("):  # a tuple type: up to its matching parenthesis
-        text = text[_closing(text) + 1:]
+        end = _closing(text) + 1
+        parts = _PART.findall(text[:end])
+        elements = tuple((d, tuple(int(n) for n in dims.split(",") if n))
+                         for d, dims, _ in parts)
+        spaces = tuple(_space(lay) for _, _, lay in parts)
+        text = text[end:]
         dtype = dims = layout = None
     else:
         arr = _ARRAY.match(text)
@@ -80,11 +98,17 @@ def parse(line: str) -> Instr | None:
         text = text[text.find(" "):]
         dtype, layout = arr.group(1), arr.group(3)
         dims = tuple(int(d) for d in arr.group(2).split(",") if d)
+        spaces = (_space(layout),)
     op = _OP.match(text)
     if op is None:
         return None
     return Instr(head.group(2), dtype, dims, layout, op.group(1), op.group(2),
-                 root=bool(head.group(1)))
+                 root=bool(head.group(1)), elements=elements, spaces=spaces)
+
+
+def _space(layout: str | None) -> int:
+    m = re.search(r"S\((\d+)\)", layout or "")
+    return int(m.group(1)) if m else 0
 
 
 def computations(text: str) -> dict[str, list[str]]:

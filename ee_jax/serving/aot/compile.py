@@ -43,6 +43,8 @@ from ee_jax.models.exits import heads as exit_heads
 from ee_jax.models.exits.config import SERVING_POLICY, ExitConfig, uses_maps
 from ee_jax.models.formats import gguf
 from ee_jax.serving import compilation, hlo
+from ee_jax.serving.aot import roofline
+from ee_jax.serving.aot import traffic as traffic_
 from ee_jax.serving.kv_cache import KVCache
 from ee_jax.serving.model_runner import ModelRunner, StepShape
 from ee_jax.serving.plan import EngineConfig, EnginePlan, engine_plan
@@ -66,6 +68,29 @@ class Chip:
 
 
 GB = 10**9
+
+
+def host_chip() -> Chip:
+    """This machine's CPU as a target's chip for the roofline (`--target cpu`), its peaks
+    measured now: a 1024^2 f32 matmul's FLOP/s (best of 3 after a warm call) and a 256 MiB
+    copy's bytes/s (read + write). Its memory is not a limit compiles check."""
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    best = min(_timed(lambda: mm(a, a).block_until_ready()) for _ in range(3))
+    buf = np.ones(2**28 // 4, np.float32)
+    out = np.empty_like(buf)
+    np.copyto(out, buf)
+    copy = min(_timed(lambda: np.copyto(out, buf)) for _ in range(3))
+    return Chip("this CPU", "cpu", 0, 2 * n**3 / best, 2 * buf.nbytes / copy,
+                "measured here (f32 matmul, memory copy)")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 CHIPS: dict[str, Chip] = {
     "v5e": Chip("TPU v5e", "tpu", 16 * 2**30, 197e12, 819 * GB,
                 "cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 16 GiB HBM2, 819 GB/s)"),
@@ -331,6 +356,9 @@ class Row:
     output_bytes: int | None = None
     alias_bytes: int | None = None  # outputs in donated inputs (the KV pool)
     error: str | None = None
+    # bytes and flops as the program runs (`traffic.count` of its optimised HLO: a loop's
+    # body times its trips), and the weight copies it holds; None where only lowered
+    traffic: traffic_.Traffic | None = None
 
     @property
     def device_bytes(self) -> int | None:
@@ -496,6 +524,24 @@ class Plan:
                            device=devices[0] if devices else jax.devices("cpu")[0],
                            platform=plan.platform, layout_shape=plan.layout_shape(ec is not None))
 
+    def hand_bytes(self, shape: StepShape) -> float:
+        """What a program of `shape` must move at least, at full depth (`roofline.step_bytes`):
+        every weight once, its rows' K/V pages read as stored, its tokens' K/V written."""
+        plan = self.engine
+        return roofline.step_bytes(
+            plan.model, shape.batch, shape.pages, plan.page_size,
+            new_tokens=shape.tokens if shape.kind == "prefill" else shape.batch,
+            kv_itemsize=jnp.dtype(plan.kv_dtype).itemsize, kv_hd=plan.kv_shape[-1])
+
+    def pool_reads(self, shape: StepShape) -> dict:
+        """What a kernel handed the KV pool reads of it a call (`traffic.count`): one of K
+        and V, as stored, at the rows' pages (one layer's)."""
+        plan = self.engine
+        kv = plan.kv_shape
+        page = plan.model.n_kv_heads * kv[-1] * jnp.dtype(plan.kv_dtype).itemsize
+        return dict(pool_elements=int(np.prod(kv)),
+                    pool_read=float(shape.batch * shape.pages * plan.page_size * page))
+
     def __len__(self) -> int:
         return len(self.items())
 
@@ -521,7 +567,8 @@ class Plan:
 
         def finish(lowered):
             name, shape, (program, seconds, error) = lowered
-            return _finish(name, shape, self.target, program, seconds, error)
+            return _finish(name, shape, self.target, program, seconds, error,
+                           self.pool_reads(shape))
 
         yield from compilation.pipelined(self.items(), lower, finish, workers)
 
@@ -544,7 +591,7 @@ def _message(e: Exception) -> str:
 
 
 def _finish(variant: str, shape: StepShape, target: Target, lowered, seconds: float,
-            error: str | None) -> Row:
+            error: str | None, pool: dict | None = None) -> Row:
     """The Row of a lowered program: compiled, with its cost and memory analyses."""
     if lowered is None or error is not None:
         return Row(variant, shape, seconds, error=error)
@@ -555,6 +602,10 @@ def _finish(variant: str, shape: StepShape, target: Target, lowered, seconds: fl
         return Row(variant, shape, seconds + time.perf_counter() - t0, error=_message(e))
     row = Row(variant, shape, seconds + time.perf_counter() - t0)
     row.flops, row.bytes_accessed = cost_of(compiled)
+    try:
+        row.traffic = traffic_.count(compiled.as_text(), **(pool or {}))
+    except Exception:  # a module the reader does not follow: its columns read "-"
+        row.traffic = None
     mem = compiled.memory_analysis()
     if mem is not None:
         row.argument_bytes = int(mem.argument_size_in_bytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits.config import ExitConfig, rides_along
 from ee_jax.models.exits.cost import Count, StepWork, full_depth_work, step_work
 
@@ -109,10 +110,28 @@ class Pieces:
         return out
 
 
-def analytic_bytes(weight_bytes: float, kv_bytes_read: float) -> float:
-    """The bytes a memory-bound decode step must move at least: every weight once, and the
-    keys and values the rows attend to."""
-    return weight_bytes + kv_bytes_read
+def layer_weight_bytes(cfg: ModelConfig) -> float:
+    """One decoder layer's weights (attention, MLP, both norms) at the model's dtype."""
+    D, H, K, hd, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    return (D * H * hd * 2 + D * K * hd * 2 + 3 * D * F + 2 * D) * cfg.jnp_dtype.itemsize
 
 
-__all__ = ["ZERO", "Cost", "Pieces", "analytic_bytes", "per_unit", "seconds"]
+def step_bytes(cfg: ModelConfig, rows: int, pages: int, page_size: int,
+               new_tokens: int | None = None, kv_itemsize: int | None = None,
+               kv_hd: int | None = None) -> float:
+    """The bytes a step must move at least, by hand: every weight once (the LM head whole,
+    the embedding's rows of a step's tokens too few to count, the final norm),
+    the K/V of `rows` rows x `pages` pages in every layer (whole pages, as every backend
+    reads them), `new_tokens` tokens' K/V written (default a token a row: decode). kv_hd:
+    the stored head_dim (default the model's); kv_itemsize: the pool's (default the
+    model's dtype)."""
+    it = cfg.jnp_dtype.itemsize
+    kv = cfg.n_kv_heads * (kv_hd or cfg.head_dim) * (kv_itemsize or it)
+    weights = cfg.n_layers * layer_weight_bytes(cfg) + (cfg.vocab_size + 1) * cfg.d_model * it
+    new = rows if new_tokens is None else new_tokens
+    kv_bytes = cfg.n_layers * 2 * kv * (rows * pages * page_size + new)
+    return weights + kv_bytes
+
+
+__all__ = ["ZERO", "Cost", "Pieces", "layer_weight_bytes", "per_unit",
+           "seconds", "step_bytes"]
