@@ -746,14 +746,16 @@ class StepCase:
 
 
 def step_case(cfg, params, batch: int, context: int, exit_config=None, heads=None,
-              attention: str = "auto", threshold: float = 0.5) -> StepCase:
+              attention: str = "auto", threshold: float = 0.5,
+              layer_layout: str | None = None) -> StepCase:
     from ee_jax.serving.kv_cache import allocate_cache
     from ee_jax.serving.model_runner import ModelRunner, StepBatch, StepShape
 
     page = 16
     pages = -(-(context + 1) // page)
     runner = ModelRunner(cfg, params, allocate_cache(cfg, batch * pages + 1, page),
-                         exit_config, heads, attention=attention, max_batch=batch)
+                         exit_config, heads, attention=attention, max_batch=batch,
+                         layer_layout=layer_layout)
     b = StepBatch.empty(StepShape(batch, 1, pages))
     for r in range(batch):
         b.page_table[r] = 1 + r * pages + np.arange(pages)

@@ -15,7 +15,9 @@
 #                       script goes on.
 #   bench.step          one decode step against full depth (`early_exit=False`'s program):
 #                       policies all / per_row with checks never firing, forced exits at L/3
-#                       and 2L/3 (the ceiling), weight dtypes, attention backends, batch 1-128.
+#                       and 2L/3 (the ceiling), weight dtypes, attention backends, the layers
+#                       stacked against per layer (the GPU default: no copy of a layer's
+#                       weights before its GEMMs, docs/architecture.md), batch 1-128.
 # Batch 1 against batch 2: compiled here without a GPU, XLA's GPU compiler rewrites a one-row
 # bf16 product into a weight-sized elementwise product and a reduction (3x the weight bytes;
 # docs/roofline.md, "CUDA"), two rows into a GEMM, so the engine's GPU steps
@@ -56,6 +58,7 @@ run)
             --batches ${ATTN_BATCHES:-${BATCHES:-8 32 128 256}} $attn_args \
             || echo "bench.kernels attention failed (exit $?); the rest still runs"
         python3 -m bench.step --random --batches ${BATCHES:-1 2 8 32 128} $step_args \
+            --layer-layouts stacked per_layer \
             --out "$out/step.md" || echo "bench.step failed (exit $?)"
     } 2>&1 | tee "$out/device.log"
     ;;

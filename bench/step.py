@@ -132,6 +132,8 @@ def variants(args, cfg, params, shipped) -> dict[str, dict]:
             raise SystemExit(f"--dtypes: unknown {d!r}; choose bfloat16 or int8")
     for a in args.attention:
         out[f"attention {a}"] = dict(cfg=cfg, params=params, attention=a)
+    for layout in args.layer_layouts:  # the baseline holds the platform's (llama.layout_for)
+        out[f"full depth, layers {layout}"] = dict(cfg=cfg, params=params, layer_layout=layout)
     return out
 
 
@@ -179,6 +181,8 @@ def parse_args(argv):
                    help="exit layers (default: L/3 and 2L/3)")
     p.add_argument("--dtypes", nargs="*", default=["bfloat16", "int8"])
     p.add_argument("--attention", nargs="*", default=["reference", "xla"])
+    p.add_argument("--layer-layouts", nargs="*", default=[], choices=["stacked", "per_layer"],
+                   help="full depth with the layers held so (the baseline: the platform's)")
     p.add_argument("--out", default=None, help="markdown file whose bench.step section is "
                                                "(re)written")
     args = p.parse_args(argv)

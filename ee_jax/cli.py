@@ -32,6 +32,7 @@ from ee_jax.models.exits.config import (
 ATTENTION = ("auto", "reference", "xla", "pallas_gpu", "pallas_tpu")
 CONTROL_MODES = ("auto", "exits", "full")
 AOT_POLICIES = ("all", "per_row")
+LAYER_LAYOUTS = ("auto", "stacked", "per_layer")  # "auto" and `llama.LAYOUTS`
 
 
 def _read_prompts(args) -> list[dict]:
@@ -174,7 +175,7 @@ def _engine_kwargs(args) -> dict:
 
     kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "page_size",
                                         "num_pages", "mesh", "attention", "async_scheduling",
-                                        "mixed_steps") if hasattr(args, k)}
+                                        "mixed_steps", "layer_layout") if hasattr(args, k)}
     if hasattr(args, "exit_control"):
         kw["exit_control"] = ControllerConfig(mode=args.exit_control)
     return kw
@@ -580,6 +581,9 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="auto (pallas_tpu on TPU, pallas_gpu on CUDA; reference under a mesh) "
                    "or a backend")
+    c.add_argument("--layer-layout", default="auto", choices=LAYER_LAYOUTS,
+                   help="how the steps hold the layers' weights: auto (per_layer on CUDA, "
+                   "stacked on TPU and CPU), stacked or per_layer")
     c.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
                    help="also the exit programs (the shipped heads' config, scaled to a "
                    "random shape's depth)")
@@ -652,6 +656,10 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     d.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: auto (by platform; reference under a mesh) or a "
                    "backend")
+    d.add_argument("--layer-layout", default="auto", choices=LAYER_LAYOUTS,
+                   help="how the steps hold the layers' weights: auto (per_layer on GPU, whose "
+                   "compiler copies a stacked weight's layer out before using it; stacked on "
+                   "TPU and CPU), stacked or per_layer")
     d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch step n+1 before reading step n's tokens (default on)")
     d.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,

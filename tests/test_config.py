@@ -14,6 +14,7 @@ import pytest
 
 from ee_jax import cli, settings
 from ee_jax.evaluation.evaluate import EvalOptions
+from ee_jax.models import llama
 from ee_jax.models.exits.config import SERVING_POLICY, ExitConfig
 from ee_jax.serving import attention_kernels, controller
 from ee_jax.serving.aot import compile as aot
@@ -132,6 +133,7 @@ def test_cli_choices_are_the_libraries():
     assert ("auto", *attention_kernels.BACKENDS) == cli.ATTENTION
     assert cli.CONTROL_MODES == controller.MODES
     assert cli.AOT_POLICIES == aot.POLICIES
+    assert ("auto", *llama.LAYOUTS) == cli.LAYER_LAYOUTS
     for command in ("generate", "serve", "compile"):
         assert tuple(_subcommand(command)["attention"].choices) == cli.ATTENTION
     assert _subcommand("serve")["exit_control"].choices == cli.CONTROL_MODES

@@ -211,6 +211,60 @@ def test_every_step_program_compiles_for_cuda():
 
 
 @needs_cuda_aot
+def test_cuda_steps_hold_their_layers_per_layer_and_copy_no_layer_weight():
+    """The plan holds a GPU's layers per layer (`llama.layout_for`); compiled for an H100, a
+    step of every kind (prefill, full-depth decode, each exit policy and back-fill, verified
+    exits) at batch 2 and 8 copies no layer weight out of a stack (`aot.traffic`'s copies of
+    a layer weight's shape), where the stacked layout copies one a weight (XLA GPU's
+    `loop_dynamic_slice_fusion`). Exit heads stacked by exit may still be sliced (counted
+    apart: their adapters' shapes)."""
+    from ee_jax.serving import hlo
+    from ee_jax.serving.aot import traffic
+
+    layer_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(
+        aot.abstract_params(CFG)["layers"])}
+
+    def layer_copies(text: str) -> int:
+        bodies = hlo.computations(text)
+        n = 0
+        for lines in bodies.values():
+            for i in hlo.instructions(lines):
+                callee = traffic._CALLEE.findall(i.rest) if i.op == "fusion" else []
+                inner = hlo.instructions(bodies.get(callee[0], ())) if callee else []
+                by = {x.name: x for x in inner}
+                root = next((x for x in inner if x.root), None)
+                if root is not None and root.dims is not None \
+                        and traffic._slice_copy(inner, by, root) \
+                        and tuple(d for d in root.dims if d != 1) in {
+                            tuple(d for d in s if d != 1) for s in layer_shapes}:
+                    n += 1
+        return n
+
+    target = aot.parse_target("cuda:h100")
+    config = dataclasses.replace(CONFIG, scheduler=dataclasses.replace(
+        CONFIG.scheduler, max_num_seqs=8))
+    for layout, want in (("per_layer", 0), ("stacked", None)):
+        plan = aot.Plan.make(CFG, target, dataclasses.replace(config, layer_layout=layout),
+                             EC, every_policy=layout == "per_layer")
+        assert plan.engine.layer_layout == layout
+        if layout == "per_layer":
+            plan = dataclasses.replace(plan, programs=[*plan.programs,
+                                                       ("verified", EC.verified(2))])
+        shapes = [s for s in plan.shapes if (s.kind == "decode" and s.batch in (2, 8))
+                  or s is next(t for t in plan.shapes if t.kind == "prefill")]
+        for name, ec, shape in dataclasses.replace(plan, shapes=shapes).items():
+            if layout == "stacked" and name != "full":
+                continue
+            lowered, _, error = aot._lower(plan.runner(ec), shape, target)
+            assert error is None, (name, shape, error)
+            n = layer_copies(lowered.compile().as_text())
+            if want is None:
+                assert n > 0, (name, shape)  # why: the stacked layout's copies
+            else:
+                assert n == want, (name, shape, n)
+
+
+@needs_cuda_aot
 def test_cuda_compiled_bytes_are_the_fused_programs():
     """The bytes of a CUDA program compiled here are the optimised module's: a chain of
     elementwise ops fuses into one kernel that reads x and writes y once, where the

@@ -150,6 +150,50 @@ def layer_params(params: Params, i) -> LayerParams:
                         params["layers"])
 
 
+# Layer layouts (docs/architecture.md, "Layer layouts"). "stacked": params["layers"] a dict
+# of arrays with a leading layer axis, a layer read by a dynamic slice (TPU reads it in place;
+# CPU too). "per_layer": a tuple of one dict a layer, each weight a buffer of its own (XLA's
+# GPU compiler copies a dynamic slice of a stacked weight out before its GEMMs; a buffer of
+# its own it reads in place). Same math, same dtypes.
+LAYOUTS = ("stacked", "per_layer")
+
+
+def layout_for(platform: str) -> str:
+    """The layer layout a target's steps read their weights best in (docs/roofline.md,
+    "CUDA"): per layer on GPU, stacked elsewhere."""
+    return "per_layer" if platform in ("gpu", "cuda", "rocm") else "stacked"
+
+
+def per_layer(params: Params) -> bool:
+    """Whether params hold their layers per layer (a tuple) rather than stacked."""
+    return isinstance(params["layers"], tuple | list)
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with the stacked layers as a tuple of per-layer dicts (abstract leaves:
+    ShapeDtypeStructs without the layer axis, their sharding kept)."""
+    if per_layer(params):
+        return params
+    layers = params["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+
+    def take(a, i):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_drop_axis(a.sharding))
+        return a[i]
+
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: take(a, i), layers)
+                                      for i in range(n))}
+
+
+def _drop_axis(sharding):
+    """A NamedSharding of a stacked leaf, less its (replicated) layer axis."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
 # --------------------------------------------------------------------------- building blocks
 
 
@@ -323,10 +367,28 @@ def decoder_layer_mid(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: 
                       attend: AttendFn) -> tuple[jax.Array, jax.Array, Any]:
     """`decoder_layer` that also returns the state after attention (the residual the MLP
     adds to, [..., T, D]): what an EE-LLM branch exit reads (`exit_heads.exit_input`)."""
+    q, k, v = attention_inputs(lp, x, positions, cfg)
+    o, aux = attend(q, k, v)
+    y, mid = layer_outputs(lp, x, o, cfg)
+    return y, mid, aux
+
+
+def attention_inputs(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's weights before attention: q, k, v of x [..., T, D] (normed, projected,
+    rotated). With `layer_outputs`, the two halves of a layer that read its weights:
+    a per-layer program runs each as a branch of its layer, attention between them
+    (`paged_model.paged_layer`)."""
     xn = norm(x, lp["attn_norm"], cfg)
     q = q_project(lp, xn, positions, cfg)
     k, v = kv_from_normed(lp, xn, positions, cfg)
-    o, aux = attend(q, k, v)
+    return q, k, v
+
+
+def layer_outputs(lp: LayerParams, x: jax.Array, o: jax.Array, cfg: ModelConfig
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A layer's weights after attention: the output projection of o [..., T, H, hd], the
+    residual, the MLP. Returns (the layer's output, the state after attention)."""
     o = linear(o.reshape(*o.shape[:-2], -1), lp["wo"])
     if cfg.post_norms:
         o = norm(o, lp["post_attn_norm"], cfg)
@@ -334,7 +396,7 @@ def decoder_layer_mid(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: 
     m = mlp(lp, norm(x, lp["mlp_norm"], cfg), cfg)
     if cfg.post_norms:
         m = norm(m, lp["post_mlp_norm"], cfg)
-    return x + m, x, aux
+    return x + m, x
 
 
 def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -108,7 +108,8 @@ class LLMEngine:
                                                  platform=plan.platform),
                                   exit_config, exit_heads, attention=plan.attention,
                                   max_batch=plan.max_batch, mesh=mesh, platform=plan.platform,
-                                  layout_shape=plan.layout_shape(exit_config is not None))
+                                  layout_shape=plan.layout_shape(exit_config is not None),
+                                  layer_layout=plan.layer_layout)
         # Verified exits (ExitConfig.verify): how many tokens a decode step emits is known
         # only once it is read (drafts, or a verify that keeps a prefix); with overlapped
         # steps the next one is launched as if one token came, and the device takes what a

@@ -450,12 +450,15 @@ class ModelRunner:
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
                  mesh: Mesh | None = None, device: jax.Device | None = None,
-                 platform: str | None = None, layout_shape: StepShape | None = None):
+                 platform: str | None = None, layout_shape: StepShape | None = None,
+                 layer_layout: str | None = None):
         """`device`: where a runner without a mesh runs (default: the first local device).
         `platform`: what the steps are built for (default: the devices'), read here once: it
         resolves `attention` ("auto" included) and goes into the step's static config
         (`StepConfig.platform`), and decides whether policy "per_row" compacts its rows
         (`compaction_pays`).
+        `layer_layout` (`llama.LAYOUTS`; None: the platform's, `llama.layout_for`): how the
+        steps hold the layers' weights, "per_layer" a buffer a weight a layer.
         `layout_shape` (TPU, no mesh): the weights, heads and pool are placed in the device
         layouts the step of that shape wants (`layouts.pick`; the engine gives its largest
         decode bucket, `layout_shape()`): in XLA's default ones every SmolLM2 decode step
@@ -506,6 +509,10 @@ class ModelRunner:
             self.params, self.exit_heads, self.cache = _place(
                 (self.params, self.exit_heads, self.cache), where)
             cache_format = where[2] if isinstance(where, tuple) else None
+        self.layer_layout = layer_layout or llama.layout_for(platform)
+        if self.layer_layout == "per_layer":  # placed first: each layer's slice keeps its
+            # sharding (under a mesh, the stacked spec less the layer axis)
+            self.params = llama.unstack_layers(self.params)
         # The shapes this runner has run or compiled, each with the traces that took (0: the
         # shared program had it already; more than 1 would be a recompile).
         self.traces: dict[StepShape, int] = {}

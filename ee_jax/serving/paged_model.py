@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
@@ -76,6 +77,39 @@ def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: Att
     def layer_attend(q, k, v):
         return attend(q, k, v, cache, i, meta, cfg, backend)
 
-    y, mid, cache = llama.decoder_layer_mid(llama.layer_params(params, i), x,
-                                            meta.token_positions, cfg, layer_attend)
+    pos = meta.token_positions
+    if not llama.per_layer(params):  # stacked: the layer's slice of each weight
+        lp = llama.layer_params(params, i)
+    elif isinstance(i, int | np.integer):  # per layer, a static index: its own buffers
+        lp = params["layers"][int(i)]
+    else:  # per layer, a traced index: each half of the layer a branch a layer, reading
+        # that layer's buffers in place; attention (and the cache) between them, in no branch
+        # (a cache through a branch can be copied whole, `backfill.write_backfill`)
+        layers = params["layers"]
+        q, k, v = jax.lax.switch(i, [functools.partial(_inputs, lp, cfg) for lp in layers],
+                                 x, pos)
+        o, cache = layer_attend(q, k, v)
+        y, mid = jax.lax.switch(i, [functools.partial(_outputs, lp, cfg) for lp in layers],
+                                x, o)
+        return (y, mid, cache) if with_mid else (y, cache)
+    y, mid, cache = llama.decoder_layer_mid(lp, x, pos, cfg, layer_attend)
     return (y, mid, cache) if with_mid else (y, cache)
+
+
+def _inputs(lp, cfg, x, pos):
+    return llama.attention_inputs(lp, x, pos, cfg)
+
+
+def _outputs(lp, cfg, x, o):
+    return llama.layer_outputs(lp, x, o, cfg)
+
+
+def run_layers(params: llama.Params, lo: int, hi: int, body, carry):
+    """body(i, carry) for layers lo..hi-1 (static bounds): a `fori_loop` over stacked
+    layers; over per-layer ones a Python loop, each layer reading its own buffers (a static
+    index: no branch, no copy)."""
+    if llama.per_layer(params):
+        for i in range(lo, hi):
+            carry = body(i, carry)
+        return carry
+    return jax.lax.fori_loop(lo, hi, body, carry)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ee_jax.models import llama
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.attention_kernels import backend_name
 from ee_jax.serving.controller import ControllerConfig
@@ -48,6 +49,11 @@ class EngineConfig:
     # Devices: "tp=4,dp=2" shards heads, MLP width and vocabulary over tp and batch rows over
     # dp (ee_jax.serving.sharding); None: one device.
     mesh: str | None = None
+    # How the layers' weights are held (`llama.LAYOUTS`): "stacked" (one array a weight,
+    # a leading layer axis), "per_layer" (a buffer a weight a layer), "auto": the target's
+    # (`llama.layout_for`: per layer on GPU, whose compiler copies a stacked weight's slice
+    # out before its GEMMs; stacked on TPU and CPU, which read the slice in place).
+    layer_layout: str = "auto"
     # Exit engines: per batch bucket, whether decode steps run the exit program or the
     # full-depth one (ee_jax.serving.controller; mode "exits": always the exit program).
     exit_control: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
@@ -84,6 +90,7 @@ class EnginePlan:
     # (`kv_cache.head_major_for`; a sharded pool is layer-major)
     head_major: bool
     kv_dtype: str  # the pool's dtype as stored on `platform` (`kv_cache.storage_dtype`)
+    layer_layout: str = "stacked"  # config.layer_layout resolved on `platform`
 
     @property
     def page_size(self) -> int:
@@ -144,8 +151,14 @@ def engine_plan(model: ModelConfig, config: EngineConfig, platform: str) -> Engi
             f"num_pages/kv_cache_gib or lower max_model_len")
     # a pool a Pallas kernel reads is stored in its layout (kv_cache: head-major), unsharded
     head_major = mesh is None and head_major_for(attention)
+    layout = config.layer_layout
+    if layout == "auto":
+        layout = llama.layout_for(platform)
+    elif layout not in llama.LAYOUTS:
+        raise ValueError(f"unknown layer_layout {layout!r}; choose 'auto' or one of "
+                         f"{llama.LAYOUTS}")
     return EnginePlan(model, config, platform, mesh, attention, sched, num_pages, head_major,
-                      kv_dtype.name)
+                      kv_dtype.name, layout)
 
 
 __all__ = ["EngineConfig", "EnginePlan", "device_platform", "engine_plan"]

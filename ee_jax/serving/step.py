@@ -80,7 +80,7 @@ from ee_jax.serving import attention_kernels
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.backfill import Learned, backfill
 from ee_jax.serving.kv_cache import KVCache
-from ee_jax.serving.paged_model import paged_layer
+from ee_jax.serving.paged_model import paged_layer, run_layers
 
 
 @jax.tree_util.register_dataclass
@@ -319,7 +319,7 @@ def _full_depth(params, cache, tokens, block_tokens, meta: AttentionMetadata,
         x = llama.embed(params, tokens, cfg)  # [B, 1, D]
     else:
         x = llama.embed(params, jnp.concatenate([block_tokens, tokens[:, 0]]), cfg)  # [N+B, D]
-    x, cache = jax.lax.fori_loop(0, L, body, (x, cache))
+    x, cache = run_layers(params, 0, L, body, (x, cache))
     h = x[:, 0] if block_tokens is None else x[x.shape[0] - B:]  # [B, D]
     logits = llama.final_head(params, h, cfg)
     active = meta.kv_lens > 0

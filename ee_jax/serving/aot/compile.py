@@ -522,7 +522,8 @@ class Plan:
         return ModelRunner(cfg, params, cache, ec, heads, attention=plan.attention,
                            max_batch=plan.max_batch, mesh=mesh,
                            device=devices[0] if devices else jax.devices("cpu")[0],
-                           platform=plan.platform, layout_shape=plan.layout_shape(ec is not None))
+                           platform=plan.platform, layout_shape=plan.layout_shape(ec is not None),
+                           layer_layout=plan.layer_layout)
 
     def hand_bytes(self, shape: StepShape) -> float:
         """What a program of `shape` must move at least, at full depth (`roofline.step_bytes`):

@@ -1,0 +1,92 @@
+"""Layer layouts (`EngineConfig.layer_layout`, `llama.LAYOUTS`): the layers' weights stacked
+(one array a weight, a layer axis) or per layer (a buffer a weight a layer, what GPU steps
+read in place). Same math: the truth is the dense forward (full depth, verified exits) and
+the stacked engine (the lossy exits' tokens, which no dense reference gives), under every
+policy and back-fill, on one device and on tp=2 (simulated devices).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ee_jax.models import llama
+from ee_jax.models.exits.config import ExitConfig
+from ee_jax.serving.controller import ControllerConfig
+from ee_jax.serving.engine import EngineConfig, LLMEngine
+from ee_jax.serving.params import SamplingParams
+from ee_jax.testing import tiny_config
+from tests.reference import dense_greedy, run_requests
+
+CFG = tiny_config(eos_token_ids=())  # 4 layers
+PARAMS = llama.init_params(CFG, jax.random.PRNGKey(7), scale=0.1)
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (6, 19, 2, 11)]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+EXITS = ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, measure="max_prob")
+
+
+def _engine(layout: str, ec: ExitConfig | None, mesh: str | None = None) -> LLMEngine:
+    config = EngineConfig.make(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+                               max_prefill_chunk=32, max_num_batched_tokens=128,
+                               batch_buckets=(1, 4), attention="reference", mesh=mesh,
+                               layer_layout=layout, exit_control=ControllerConfig(mode="exits"))
+    return LLMEngine(CFG, PARAMS, None, config, ec)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return [dense_greedy(CFG, PARAMS, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_the_plan_picks_per_layer_on_gpu_and_stacked_elsewhere():
+    from ee_jax.serving.plan import engine_plan
+
+    config = EngineConfig.make(max_num_seqs=4, max_model_len=64, page_size=8)
+    assert [engine_plan(CFG, config, p).layer_layout for p in ("cpu", "cuda", "tpu")] == \
+        ["stacked", "per_layer", "stacked"]
+    forced = EngineConfig.make(max_num_seqs=4, max_model_len=64, page_size=8,
+                               layer_layout="per_layer")
+    assert engine_plan(CFG, forced, "cpu").layer_layout == "per_layer"
+    with pytest.raises(ValueError, match="layer_layout"):
+        engine_plan(CFG, EngineConfig.make(max_model_len=64, layer_layout="by_row"), "cpu")
+
+
+def test_per_layer_params_are_a_buffer_a_layer():
+    eng = _engine("per_layer", None)
+    layers = eng.runner.params["layers"]
+    assert isinstance(layers, tuple) and len(layers) == CFG.n_layers
+    for i, lp in enumerate(layers):
+        np.testing.assert_array_equal(lp["wq"], PARAMS["layers"]["wq"][i])
+
+
+@pytest.mark.parametrize("ec", [
+    None,
+    EXITS.verified(3),
+    ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, policy="all").verified(2),
+], ids=["full", "verified-per_row", "verified-all"])
+def test_lossless_steps_equal_the_dense_forward(dense, ec):
+    outs = run_requests(_engine("per_layer", ec), PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == dense
+
+
+@pytest.mark.parametrize("policy,backfill", [("all", "deferred"), ("all", "propagate"),
+                                             ("per_row", "propagate"),
+                                             ("per_row", "deferred")])
+def test_lossy_exits_equal_the_stacked_engine(policy, backfill):
+    import dataclasses
+
+    ec = dataclasses.replace(EXITS, policy=policy, backfill=backfill)
+    stacked, per_layer = (run_requests(_engine(layout, ec), PROMPTS, GREEDY)
+                          for layout in ("stacked", "per_layer"))
+    assert [o.token_ids for o in per_layer] == [o.token_ids for o in stacked]
+    assert [o.exit_layers for o in per_layer] == [o.exit_layers for o in stacked]
+    assert any(e < CFG.n_layers for o in stacked for e in o.exit_layers)  # rows left
+
+
+def test_tp2_per_layer_equals_the_dense_forward(dense):
+    eng = _engine("per_layer", EXITS.verified(2), mesh="tp=2")
+    assert [o.token_ids for o in run_requests(eng, PROMPTS, GREEDY)] == dense
+    wq = eng.runner.params["layers"][0]["wq"]
+    assert len(wq.sharding.device_set) == 2
