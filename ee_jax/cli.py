@@ -496,13 +496,17 @@ def _compile(args) -> int:
         ec = ec.verified(args.max_draft, args.verify_sampling)
     config = EngineConfig.make(**_engine_kwargs(args))
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
-    plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds)
+    blocks = {} if args.dense_weights else aot.plan_blocks(args.model)
+    plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds,
+                         blocks=blocks)
     verb = "compiling" if target.compiles else "lowering"
     engine = plan.engine
     print(f"ee-jax compile: {len(plan)} step programs of {args.model} ({cfg.dtype}) for "
           f"{target.name} ({target.num_devices} device(s), mesh {engine.mesh or 'none'}), "
           f"attention {engine.attention}, KV pool {engine.num_pages} pages of "
-          f"{engine.page_size}", file=sys.stderr)
+          f"{engine.page_size}, layers {engine.layer_layout}, weights "
+          + (", ".join(f"{k} {v}" for k, v in sorted(blocks.items())) + " in GGUF blocks"
+             if blocks else cfg.dtype), file=sys.stderr)
     chip = target.chip or (aot.host_chip() if target.platform == "cpu" else None)
     head = f"{'program':<24} {'kind':<7} {'batch':>5} {'tokens':>6} {'pages':>5} " \
            f"{'seconds':>7} {'memory GiB':>10} {'MB read':>9} {'by hand':>8} " \
@@ -581,6 +585,9 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="auto (pallas_tpu on TPU, pallas_gpu on CUDA; reference under a mesh) "
                    "or a backend")
+    c.add_argument("--dense-weights", action="store_true",
+                   help="a GGUF's weights dense in --dtype (default: in the file's blocks, as "
+                   "the engine serves them)")
     c.add_argument("--layer-layout", default="auto", choices=LAYER_LAYOUTS,
                    help="how the steps hold the layers' weights: auto (per_layer on CUDA, "
                    "stacked on TPU and CPU), stacked or per_layer")

@@ -217,3 +217,45 @@ def test_tpu_full_depth_decode_moves_the_hand_count():
         assert abs(t.bytes - hand) <= 0.02 * hand, (batch, t.bytes, hand)
         raw = aot.cost_of(compiled)[1]  # the loop once, VMEM staging counted at each level
         assert abs(raw - hand) > 0.2 * hand
+
+
+@pytest.mark.real_model
+def test_a_ggufs_blocks_are_planned_as_the_loader_holds_them():
+    """`ee-jax compile` of a GGUF plans its weights in the file's blocks from the header
+    alone: the abstract params are the loader's (shapes, dtypes, block kinds), and the hand
+    count's weights are what the loaded model holds on the target (Q4 one value a byte on
+    CPU, packed on TPU and GPU)."""
+    import gguf
+
+    from ee_jax.models import quant, registry
+    from ee_jax.models.loading import load_model
+    from ee_jax.serving.plan import EngineConfig
+
+    name = "smollm2-135m-instruct"
+    blocks = aot.plan_blocks(name)
+    assert blocks["wq"] == "Q4_1" and blocks["embed"] == "Q8_0"
+    model = load_model(name, progress=False)
+    cfg, _ = aot.plan_model(name, "float32")
+    planned = aot.abstract_params(cfg, blocks)
+
+    def sig(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef, [(tuple(a.shape), str(a.dtype)) for a in leaves]
+
+    assert sig(quant.for_platform(planned, "cpu")) == sig(model.params)  # loaded here
+    # on TPU at the file's own size: its block tensors' bytes, and the f32 norms
+    reader = gguf.GGUFReader(registry.resolve_model(name)[1])
+    file_blocks = sum(int(t.n_bytes) for t in reader.tensors
+                      if t.tensor_type.name in set(blocks.values()))
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model * 4
+    config = EngineConfig.make(max_num_seqs=2, max_model_len=64)
+    for target, weights in (("cpu", quant.param_bytes(model.params)),
+                            ("tpu:v5e", file_blocks + norms)):
+        plan = aot.Plan.make(cfg, aot.parse_target(target), config, None, kinds=("decode",),
+                             blocks=blocks)
+        shape = next(s for _, _, s in plan.items())
+        assert plan.hand_bytes(shape) - weights == pytest.approx(
+            aot.roofline.step_bytes(cfg, shape.batch, shape.pages, plan.engine.page_size,
+                                    kv_itemsize=np.dtype(plan.engine.kv_dtype).itemsize,
+                                    kv_hd=plan.engine.kv_shape[-1], weight_bytes=0.0),
+            rel=1e-6), target

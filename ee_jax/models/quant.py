@@ -139,6 +139,20 @@ BLOCK = 32  # inputs per scale in Q4_0 / Q4_1 / Q8_0
 BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF block types a step reads as they are
 
 
+def abstract_blocks(shape: tuple[int, ...], kind: str, table: bool = False) -> BlockQ:
+    """A `BlockQ` of `kind` standing for an array of `shape` ([..., in, out]; a table's
+    [..., rows, in]) as the file holds it, in shapes and dtypes only: what the ahead-of-time
+    compile plans a GGUF's blocks with."""
+    *lead, a, b = shape
+    out, inp = (a, b) if table else (b, a)
+    packed = kind != "Q8_0"
+    q = jax.ShapeDtypeStruct((*lead, out, inp // 2 if packed else inp),
+                             jnp.uint8 if packed else jnp.int8)
+    scale = jax.ShapeDtypeStruct((*lead, out, inp // BLOCK), jnp.float16)
+    return BlockQ(q, scale, scale if kind == "Q4_1" else None, kind=kind, packed=packed,
+                  table=table)
+
+
 def block_values(w: BlockQ) -> jax.Array:
     """The blocks' q as f32 [..., out, in // BLOCK, BLOCK] (Q4_0's nibbles centred at 8)."""
     *lead, out, _ = w.q_t.shape

@@ -211,6 +211,24 @@ def _blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return blocks_from_raw(np.asarray(tensor.data, np.uint8), tensor.tensor_type.name, out, inp)
 
 
+def served_blocks(path_or_reader) -> dict[str, str]:
+    """The weights a GGUF's model is served in its own blocks (`load_gguf(blocks=True)`), by
+    parameter key -> block kind, from the header alone: a layer matmul weight every layer of
+    which is one of `BLOCK_TYPES`, and "embed" (the token embedding and tied head) if it is."""
+    reader = path_or_reader if hasattr(path_or_reader, "tensors") else _open(path_or_reader)
+    tensors = layer_tensors(_value(reader, "general.architecture"))
+    types: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        layer, base = _split_name(t.name)
+        if layer is not None and base in tensors:
+            types.setdefault(tensors[base], set()).add(t.tensor_type.name)
+        elif base == "token_embd" and t.tensor_type.name in BLOCK_TYPES:
+            types["embed"] = {t.tensor_type.name}
+    return {key: next(iter(ts)) for key, ts in types.items()
+            if (key in QUANTIZED_KEYS or key == "embed") and len(ts) == 1
+            and ts <= set(BLOCK_TYPES)}
+
+
 def blocks_from_raw(raw: np.ndarray, kind: str, out: int, inp: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """ggml blocks (uint8, `out` rows of `inp` inputs) -> the `quant.BlockQ` fields: q (Q4:
@@ -478,15 +496,8 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
     L = cfg.n_layers
 
 
-    types: dict[str, set[str]] = {}
-    for t in reader.tensors:
-        layer, base = _split_name(t.name)
-        if layer is not None and base in tensors:
-            types.setdefault(tensors[base], set()).add(t.tensor_type.name)
-    block_kinds = {key: next(iter(ts)) for key, ts in types.items()
-                   if blocks and key in QUANTIZED_KEYS and len(ts) == 1
-                   and ts <= set(BLOCK_TYPES)}
-    kept = set(block_kinds)
+    block_kinds = served_blocks(reader) if blocks else {}
+    kept = set(block_kinds) - {"embed"}
     layers = {key: np.empty((L, *param_shapes(cfg)["layers"][key].shape[1:]), np.float32)
               for key in tensors.values() if key not in kept}
     block_parts: dict[str, list] = {key: [None] * L for key in kept}
@@ -518,7 +529,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
                 parts = tuple(None if a is None else unpermute_qk_rows(a, n) for a in parts)
             block_parts[tensors[base]][layer] = parts
             continue
-        if blocks and base == "token_embd" and t.tensor_type.name in BLOCK_TYPES:
+        if base == "token_embd" and "embed" in block_kinds:
             # the tied head and the embedding in the file's blocks (`BlockQ.table`)
             table_kind = t.tensor_type.name
             out["embed"] = _blocks(t)

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ee_jax.errors import EEJaxError
-from ee_jax.models import llama, registry
+from ee_jax.models import llama, quant, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits import backfill_maps
 from ee_jax.models.exits import checkpoint as exit_checkpoint
@@ -309,10 +309,26 @@ def plan_model(name: str, dtype: str = "bfloat16") -> tuple[ModelConfig, ExitCon
     return cfg, shipped_exit_config(name)
 
 
-def abstract_params(cfg: ModelConfig) -> llama.Params:
-    """The model's parameters as shapes and dtypes only."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype),
-                        llama.param_shapes(cfg))
+def abstract_params(cfg: ModelConfig, blocks: dict[str, str] | None = None) -> llama.Params:
+    """The model's parameters as shapes and dtypes only; `blocks` (key -> GGUF block kind,
+    `gguf.served_blocks`): those weights in their blocks, as an engine serves the file."""
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype),
+                          llama.param_shapes(cfg))
+    for key, kind in (blocks or {}).items():
+        if key == "embed":
+            params["embed"] = quant.abstract_blocks(params["embed"].shape, kind, table=True)
+        else:
+            params["layers"][key] = quant.abstract_blocks(params["layers"][key].shape, kind)
+    return params
+
+
+def plan_blocks(name: str) -> dict[str, str]:
+    """The weights a model named as `plan_model` takes is served in GGUF blocks (a .gguf or
+    a registry GGUF: `gguf.served_blocks`; a random shape: none)."""
+    if name.startswith("random:") or name in MODEL_SHAPES:
+        return {}
+    kind, path = registry.resolve_model(name)
+    return gguf.served_blocks(path) if kind == "gguf" else {}
 
 
 # --------------------------------------------------------------------------- programs
@@ -485,11 +501,14 @@ class Plan:
     shapes: list[StepShape]
     programs: list[tuple[str, ExitConfig | None]]
     maps_rank: int = backfill_maps.DEFAULT_RANK  # the fitted maps' rank (back-fills with maps)
+    # weights held in GGUF blocks, key -> kind (`plan_blocks`); empty: dense, cfg's dtype
+    blocks: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def make(cls, cfg: ModelConfig, target: Target, config: EngineConfig,
              exit_config: ExitConfig | None = None, *,
-             every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill")) -> Plan:
+             every_policy: bool = False, kinds: tuple[str, ...] = ("decode", "prefill"),
+             blocks: dict[str, str] | None = None) -> Plan:
         """The programs an engine of `config` would run on `target`: its step shapes of
         `kinds`, full depth and `exit_config` (every policy and back-fill: `variants`)."""
         plan = engine_plan(cfg, config, target.platform)
@@ -497,7 +516,8 @@ class Plan:
                 plan.mesh.size > target.num_devices:
             raise TargetError(f"mesh {config.mesh} needs {plan.mesh.size} devices but target "
                               f"{target.name} has {target.num_devices}")
-        return cls(plan, target, plan.step_shapes(kinds), variants(exit_config, every_policy))
+        return cls(plan, target, plan.step_shapes(kinds), variants(exit_config, every_policy),
+                   blocks=dict(blocks or {}))
 
     @property
     def mesh(self) -> Mesh | None:
@@ -510,7 +530,7 @@ class Plan:
         """The engine's ModelRunner on abstract params, heads and cache, on the target."""
         plan, mesh = self.engine, self.mesh
         cfg = plan.model
-        params = abstract_params(cfg)
+        params = abstract_params(cfg, self.blocks)
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         if ec is not None and uses_maps(ec.backfill):
             heads = dict(heads, backfill=backfill_maps.map_shapes(cfg, ec.exit_layers,
@@ -527,12 +547,19 @@ class Plan:
 
     def hand_bytes(self, shape: StepShape) -> float:
         """What a program of `shape` must move at least, at full depth (`roofline.step_bytes`):
-        every weight once, its rows' K/V pages read as stored, its tokens' K/V written."""
+        every weight once as the target holds it (GGUF blocks at their size, `for_platform`),
+        its rows' K/V pages read as stored, its tokens' K/V written."""
         plan = self.engine
+        held = None
+        if self.blocks:  # a GGUF's (tied, SmolLM2's) model, each weight as the target holds it
+            held = sum(float(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                       for a in jax.tree.leaves(quant.for_platform(
+                           abstract_params(plan.model, self.blocks), plan.platform)))
         return roofline.step_bytes(
             plan.model, shape.batch, shape.pages, plan.page_size,
             new_tokens=shape.tokens if shape.kind == "prefill" else shape.batch,
-            kv_itemsize=jnp.dtype(plan.kv_dtype).itemsize, kv_hd=plan.kv_shape[-1])
+            kv_itemsize=jnp.dtype(plan.kv_dtype).itemsize, kv_hd=plan.kv_shape[-1],
+            weight_bytes=held)
 
     def pool_reads(self, shape: StepShape) -> dict:
         """What a kernel handed the KV pool reads of it a call (`traffic.count`): one of K

@@ -118,16 +118,18 @@ def layer_weight_bytes(cfg: ModelConfig) -> float:
 
 def step_bytes(cfg: ModelConfig, rows: int, pages: int, page_size: int,
                new_tokens: int | None = None, kv_itemsize: int | None = None,
-               kv_hd: int | None = None) -> float:
+               kv_hd: int | None = None, weight_bytes: float | None = None) -> float:
     """The bytes a step must move at least, by hand: every weight once (the LM head whole,
     the embedding's rows of a step's tokens too few to count, the final norm),
     the K/V of `rows` rows x `pages` pages in every layer (whole pages, as every backend
     reads them), `new_tokens` tokens' K/V written (default a token a row: decode). kv_hd:
     the stored head_dim (default the model's); kv_itemsize: the pool's (default the
-    model's dtype)."""
+    model's dtype); weight_bytes: the weights as held, where not the dense model's (GGUF
+    blocks: what `quant.param_bytes` counts of them, the whole embedding included)."""
     it = cfg.jnp_dtype.itemsize
     kv = cfg.n_kv_heads * (kv_hd or cfg.head_dim) * (kv_itemsize or it)
-    weights = cfg.n_layers * layer_weight_bytes(cfg) + (cfg.vocab_size + 1) * cfg.d_model * it
+    weights = weight_bytes if weight_bytes is not None else \
+        cfg.n_layers * layer_weight_bytes(cfg) + (cfg.vocab_size + 1) * cfg.d_model * it
     new = rows if new_tokens is None else new_tokens
     kv_bytes = cfg.n_layers * 2 * kv * (rows * pages * page_size + new)
     return weights + kv_bytes
