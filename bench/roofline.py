@@ -39,6 +39,12 @@ Modes, other questions asked of compiled programs (`python -m bench.roofline MOD
     JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.roofline dots
     JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.roofline weight-slices --batches 8
     python -m bench.roofline compile-time
+    python -m bench.roofline block-storage
+
+block-storage: one SmolLM2 projection (1536 x 576) from Q4 blocks, dequantized and multiplied
+in one program compiled for TPU v5e (`aot.traffic`'s bytes against the file's 0.5 byte a
+weight plus f16 scales): the packed u8 bytes as `quant.BlockQ` holds them on TPU and GPU,
+`jnp.int4` / `jnp.uint4` values, int8 one a byte; which storage XLA TPU reads as it is.
 
 dots: decode-sized projections x [B, D] @ w [D, F] in bf16 compiled for an H100 (XLA's GPU
 compiler, the cuda-aot venv): XLA's bytes against the operands' and the output's, for
@@ -1035,8 +1041,41 @@ def compile_time_main(argv=None) -> int:
     return 0
 
 
+def block_storage_main(argv=None) -> int:
+    from ee_jax.serving.aot import traffic
+
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline block-storage",
+                                 description="a Q4 projection's storage compiled for TPU v5e "
+                                 "(module docstring)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--shape", default="1536x576", metavar="OUTxIN")
+    args = ap.parse_args(argv)
+    O, I = (int(n) for n in args.shape.split("x"))
+    target = aot.parse_target("tpu:v5e")
+    s = jax.sharding.SingleDeviceSharding(aot.target_devices(target)[0])
+    want = O * I / 2 + O * I / 32 * 2
+    storages = {"packed uint8 (BlockQ)": (jnp.uint8, True), "jnp.int4": (jnp.int4, False),
+                "jnp.uint4": (jnp.uint4, False), "int8, one a byte": (jnp.int8, False)}
+    print(f"| rows | storage | kB moved | / file's {want / 1e3:.0f} kB |\n|---:|---|---:|---:|")
+    for B in args.rows:
+        for name, (dt, packed) in storages.items():
+            q = jax.ShapeDtypeStruct((O, I // 2) if packed else (O, I), dt, sharding=s)
+            sc = jax.ShapeDtypeStruct((O, I // 32), jnp.float16, sharding=s)
+            x = jax.ShapeDtypeStruct((B, I), jnp.bfloat16, sharding=s)
+
+            def f(q, sc, x, packed=packed):
+                v = jnp.stack([q & 15, q >> 4], -1).reshape(O, I) if packed else q
+                w = (v.astype(jnp.float32).reshape(O, I // 32, 32)
+                     * sc.astype(jnp.float32)[..., None]).reshape(O, I)
+                return x @ w.astype(jnp.bfloat16).T
+
+            moved = traffic.count(jax.jit(f).lower(q, sc, x).compile().as_text()).bytes
+            print(f"| {B} | {name} | {moved / 1e3:.0f} | {moved / want:.2f}x |", flush=True)
+    return 0
+
+
 MODES = {"dots": dots_main, "weight-slices": weight_slices_main,
-         "compile-time": compile_time_main}
+         "block-storage": block_storage_main, "compile-time": compile_time_main}
 
 
 if __name__ == "__main__":
