@@ -70,16 +70,17 @@ class Chip:
 GB = 10**9
 
 
+@functools.cache
 def host_chip() -> Chip:
     """This machine's CPU as a target's chip for the roofline (`--target cpu`), its peaks
-    measured now: a 1024^2 f32 matmul's FLOP/s (best of 3 after a warm call) and a 256 MiB
-    copy's bytes/s (read + write). Its memory is not a limit compiles check."""
+    measured once a process: a 1024^2 f32 matmul's FLOP/s (best of 3 after a warm call) and
+    a 128 MiB copy's bytes/s (read + write). Its memory is not a limit compiles check."""
     n = 1024
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(jnp.matmul)
     mm(a, a).block_until_ready()
     best = min(_timed(lambda: mm(a, a).block_until_ready()) for _ in range(3))
-    buf = np.ones(2**28 // 4, np.float32)
+    buf = np.ones(2**27 // 4, np.float32)
     out = np.empty_like(buf)
     np.copyto(out, buf)
     copy = min(_timed(lambda: np.copyto(out, buf)) for _ in range(3))
