@@ -146,6 +146,20 @@ SHIPPED = {
                       26: 4, 27: 4, 28: 7, 29: 10, 30: 270},
 }
 SHIPPED_LAYERS = 30
+# Verified exits, the shipped heads as drafts (policy all, max_draft 4, threshold 0.975) at
+# batch 1: decode steps by exit layer (30: a verify step) and the tokens they emitted, the
+# "verified, max_draft 4" rows of docs/benchmarks.md "Verified exits" (every sequence full
+# depth's), from
+#   python -m bench.shipped_exits --workloads instructions humaneval chat --repeats 5 \
+#       --batch-runs 1:all --backfills --verify 4:0.975 2:0.975
+SHIPPED_VERIFIED = {
+    "instructions": ({16: 29, 17: 16, 18: 22, 19: 19, 20: 15, 21: 14, 22: 5, 23: 4, 24: 11,
+                      25: 8, 26: 5, 27: 9, 28: 9, 29: 14, 30: 299}, 478),
+    "HumanEval": ({16: 17, 17: 9, 18: 22, 19: 22, 20: 11, 21: 11, 22: 8, 23: 6, 24: 12, 25: 12,
+                   26: 9, 27: 8, 28: 16, 29: 11, 30: 327}, 494),
+    "everyday chat": ({16: 17, 17: 6, 18: 5, 19: 13, 20: 6, 21: 18, 22: 8, 23: 11, 24: 3,
+                       25: 13, 26: 4, 27: 4, 28: 9, 29: 13, 30: 368}, 489),
+}
 
 
 def scaled_histogram(hist: dict[int, int], n_layers: int) -> dict[int, float]:
@@ -807,8 +821,9 @@ def main(argv=None) -> int:
 TABLE_HEAD = ("| model | chip (program) | batch | full depth ms | bound | full depth ms (analytic "
               "bytes) | forced L/2 propagate | forced 3L/4 propagate | "
               "shipped hist. propagate (instr / code / chat) | shipped hist. learned | "
-              "shipped hist. deferred | shipped hist. deferred_learned |\n"
-              "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|")
+              "shipped hist. deferred | shipped hist. deferred_learned | verified, measured "
+              "steps (lossless) |\n"
+              "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|---|")
 
 
 def bucket_of(B: int, cfg, target: aot.Target) -> int:
@@ -851,6 +866,20 @@ def _table(model, target, chip, cfg, ec, rows, W: int) -> str:
                      for h in SHIPPED.values()]
             return " / ".join(parts)
 
+        def verified():  # the measured steps priced on this chip: emitted tokens at full
+            # depth's step time over the steps' (drafts riding: their flops, no weight bytes)
+            if B != 1:
+                return "n/a"
+            ecv = dataclasses.replace(ec, policy="all").verified(4)
+            parts = []
+            for steps, emitted in SHIPPED_VERIFIED.values():
+                t = sum(n * seconds(p.price(step_work(ecv, L, [e], None, bucket,
+                                                      target.platform)),
+                                    chip.peak_flops, chip.hbm_bytes_per_s)
+                        for e, n in scaled_histogram(steps, L).items())
+                parts.append(f"{emitted * t_full / t:.2f}x")
+            return " / ".join(parts)
+
         t_an = max(analytic_step(cfg, B, W, kv_hd=kv_head_dim(cfg, target)) / chip.hbm_bytes_per_s,
                    full.flops / chip.peak_flops)
         out.append(f"| {model} | {chip.name} ({how}) | {batch_label(B, cfg, target)} | "
@@ -859,7 +888,7 @@ def _table(model, target, chip, cfg, ec, rows, W: int) -> str:
                    f"{forced(half, 'propagate')} | "
                    f"{forced(tq, 'propagate')} | "
                    f"{hist('propagate')} | {hist('learned')} | {hist('deferred')} | "
-                   f"{hist('deferred_learned')} |")
+                   f"{hist('deferred_learned')} | {verified()} |")
     return "\n".join(out)
 
 
