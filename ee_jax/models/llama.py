@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ee_jax.errors import ModelLoadError
+from ee_jax.models import weights
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.quant import (
     BlockQ,
@@ -48,45 +49,19 @@ LayerParams = dict[str, jax.Array]
 # attend(q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]) -> (out [..., T, H, hd], aux)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 # --------------------------------------------------------------------------- parameters
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
-    """The abstract parameter tree: every loader fills exactly this, nothing more or less."""
-    L, D, V, F = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.ffn_dim
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    dt = cfg.jnp_dtype
-
-    def s(*shape):
-        return jax.ShapeDtypeStruct(shape, dt)
-
-    tree: Params = {
-        "embed": s(V, D),
-        "layers": {
-            "attn_norm": s(L, D),
-            "wq": s(L, D, q_dim),
-            "wk": s(L, D, kv_dim),
-            "wv": s(L, D, kv_dim),
-            "wo": s(L, q_dim, D),
-            "mlp_norm": s(L, D),
-            "w_gate": s(L, D, F),
-            "w_up": s(L, D, F),
-            "w_down": s(L, F, D),
-        },
-        "final_norm": s(D),
-    }
-    layers = tree["layers"]
-    if cfg.qkv_bias:
-        layers.update(bq=s(L, q_dim), bk=s(L, kv_dim), bv=s(L, kv_dim))
-    if cfg.qk_norm:
-        layers.update(q_norm=s(L, cfg.head_dim), k_norm=s(L, cfg.head_dim))
-    if cfg.post_norms:
-        layers.update(post_attn_norm=s(L, D), post_mlp_norm=s(L, D))
-    if not cfg.tie_embeddings:
-        tree["lm_head"] = s(D, V)
+    """The abstract parameter tree: every loader fills exactly this, nothing more or less
+    (`weights.WEIGHTS`, each weight's one declaration)."""
+    tree: Params = {"layers": {}}
+    for w in weights.WEIGHTS:
+        if weights.present(w, cfg):
+            (tree["layers"] if w.layer else tree)[w.key] = jax.ShapeDtypeStruct(
+                weights.shape(w, cfg), cfg.jnp_dtype)
     return tree
 
 

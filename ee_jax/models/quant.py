@@ -30,11 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ee_jax.models import weights
 from ee_jax.models.config import ConfigError
 
 QUANTIZE_MODES = ("int8",)
 # The layer weights that are quantized: every matmul of a decoder layer.
-QUANTIZED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZED_KEYS = weights.keys(layer=True, matmul=True)  # the layers' matmul weights
 
 
 class QuantizeError(ConfigError):

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ee_jax.errors import EEJaxError
+from ee_jax.models import weights
 from ee_jax.models.config import ModelConfig
 from ee_jax.serving.distributed import global_array
 
@@ -41,16 +42,7 @@ MESH_AXES = ("dp", "tp")
 # Logical axes of every parameter leaf, by name (the trailing axes of the leaf; a leading
 # stacked layer or exit axis is replicated).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("embed",),
-    "attn_norm": ("embed",), "mlp_norm": ("embed",),
-    "post_attn_norm": ("embed",), "post_mlp_norm": ("embed",),
-    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),
-    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
-    "q_norm": (None,), "k_norm": (None,),
-    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    **{w.key: w.axes for w in weights.WEIGHTS},  # the model's (`weights`: declared there)
     # exit heads (ee_jax.models.exits.heads): the adapter / MLP head's width is split like the
     # layers' MLP; norms, classifiers, decision MLPs and vocabulary subsets are replicated
     "down": ("embed", "mlp"), "up": ("mlp", "embed"),

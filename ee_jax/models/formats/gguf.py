@@ -42,23 +42,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
+from ee_jax.models import weights
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 from ee_jax.models.quant import BLOCK_KINDS, QUANTIZED_KEYS, BlockQ
 
-# GGUF per-layer tensor name -> our key under params["layers"].
-LAYER_TENSORS = {
-    "attn_norm": "attn_norm",
-    "attn_q": "wq",
-    "attn_k": "wk",
-    "attn_v": "wv",
-    "attn_output": "wo",
-    "ffn_norm": "mlp_norm",
-    "ffn_gate": "w_gate",
-    "ffn_up": "w_up",
-    "ffn_down": "w_down",
-}
-GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+# GGUF per-layer tensor name -> our key under params["layers"] (`weights`: declared there).
+LAYER_TENSORS = {base: key for (base, _), key in weights.gguf_names(layer=True).items()}
+GLOBAL_TENSORS = {w.gguf[0]: w.key for w in weights.WEIGHTS if not w.layer and w.gguf}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -77,15 +68,12 @@ class Arch:
 ARCHS: dict[str, Arch] = {
     "llama": Arch(permuted_qk=True),
     "qwen2": Arch(switches={"qkv_bias": True},
-                  tensors={("attn_q", "bias"): "bq", ("attn_k", "bias"): "bk",
-                           ("attn_v", "bias"): "bv"}),
+                  tensors=weights.gguf_names(layer=True, when="qkv_bias")),
     "qwen3": Arch(switches={"qk_norm": True},
-                  tensors={("attn_q_norm", "weight"): "q_norm",
-                           ("attn_k_norm", "weight"): "k_norm"}),
+                  tensors=weights.gguf_names(layer=True, when="qk_norm")),
     "gemma2": Arch(switches={"norm_offset": 1.0, "embed_scale": True, "post_norms": True,
                              "activation": "gelu_tanh"},
-                   tensors={("post_attention_norm", "weight"): "post_attn_norm",
-                            ("post_ffw_norm", "weight"): "post_mlp_norm"},
+                   tensors=weights.gguf_names(layer=True, when="post_norms"),
                    norms_plus_one=True),
 }
 

@@ -27,32 +27,18 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' num
 import numpy as np
 
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
+from ee_jax.models import weights
 from ee_jax.models.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 from ee_jax.models.safetensors_io import save_file
 
 # Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params["layers"],
-# shared by every family; `Family.tensors` adds or overrides entries.
-LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
-GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "final_norm",
-    "lm_head.weight": "lm_head",
-}
+# shared by every family (`weights`: declared there); `Family.tensors` adds or overrides.
+LAYER_TENSORS = weights.hf_names(layer=True)
+GLOBAL_TENSORS = {w.hf: w.key for w in weights.WEIGHTS if not w.layer and w.hf}
 # Buffers some older checkpoints saved; recomputed from the config, so ignored.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_QKV_BIAS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
-             "self_attn.v_proj.bias": "bv"}
+_QKV_BIAS = weights.hf_names(layer=True, when="qkv_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +67,7 @@ FAMILIES: dict[str, Family] = {
                     defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                               "sliding_window": 4096, "max_window_layers": 28}),
     "qwen3": Family("Qwen3ForCausalLM", switches={"qk_norm": True},
-                    tensors={"self_attn.q_norm.weight": "q_norm",
-                             "self_attn.k_norm.weight": "k_norm"},
+                    tensors=weights.hf_names(layer=True, when="qk_norm"),
                     o_bias_keys=("attention_bias",),
                     defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                               "sliding_window": 4096, "max_window_layers": 28}),
