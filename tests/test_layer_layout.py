@@ -90,3 +90,16 @@ def test_tp2_per_layer_equals_the_dense_forward(dense):
     assert [o.token_ids for o in run_requests(eng, PROMPTS, GREEDY)] == dense
     wq = eng.runner.params["layers"][0]["wq"]
     assert len(wq.sharding.device_set) == 2
+
+
+def test_llm_holds_the_per_layer_params_it_serves():
+    """An `LLM` serving per layer keeps the runner's per-layer arrays, not the stacked ones it
+    loaded (which would hold the weights twice in device memory)."""
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.serving.llm import LLM
+
+    llm = LLM(LoadedModel(CFG, PARAMS, None, "tiny"), early_exit=False, max_num_seqs=2,
+              max_model_len=64, page_size=8, num_pages=20, layer_layout="per_layer",
+              progress=False)
+    assert llm.model.params is llm.engine.runner.params
+    assert isinstance(llm.model.params["layers"], tuple)

@@ -64,6 +64,10 @@ class LLM:
         config = EngineConfig.make(**engine_kwargs)
         self.engine = LLMEngine(self.model.config, self.model.params, self.model.tokenizer,
                                 config, exit_config, exit_heads, mesh=mesh)
+        if self.engine.runner.layer_layout == "per_layer":  # hold what is served, so the
+            # stacked arrays the runner unstacked are freed (a model loaded here: else the
+            # weights twice in device memory; a caller's LoadedModel keeps its own)
+            self.model = dataclasses.replace(self.model, params=self.engine.runner.params)
         self._counter = 0
 
     @property
