@@ -650,8 +650,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="a tokenizer.json (or its folder, chat "
                    "template beside it) instead of the model's own: a Megatron (EE-LLM) "
                    "checkpoint holds none")
-    g.add_argument("--quantize", default=None, metavar="int8",
-                   help="weight-only int8 layer weights (per-output-channel scales); the "
+    g.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="weight-only layer weights: int8 (per-output-channel scales) or int4 "
+                   "(GGUF Q4_1 blocks of 32 inputs, an f16 scale and offset each); the "
                    "embedding, LM head and exit heads stay in --dtype")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-model-len", type=int, default=2048)

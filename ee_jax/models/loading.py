@@ -15,6 +15,7 @@ from ee_jax.models import quant, registry
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits.checkpoint import load_exit_heads, load_exit_prior
 from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.formats import gguf
 from ee_jax.models.formats.hf import Placer
 from ee_jax.models.formats.megatron import load_megatron
 from ee_jax.models.tokenizer import Tokenizer
@@ -88,8 +89,9 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     else:
         cfg, params = registry.load_params(name_or_path, dtype=dtype,
                                            placement=None if quantize else placement,
-                                           blocks=blocks and not quantize and not sharded)
-    params = quant.quantize_params(params, quantize, consume=True)  # a leaf at a time
+                                           blocks=blocks and quantize in (None, "int4") and not sharded)
+    params = quant.quantize_params(params, quantize, consume=True,  # a leaf at a time
+                                   block_quantize=gguf.block_quantize)
     # block weights as this machine's steps read them best (CPU: one value a byte)
     params = quant.for_platform(params, jax.default_backend())
     given, tokenizer = tokenizer, None
@@ -121,4 +123,7 @@ def quantize_model(model: LoadedModel, quantize: str | None) -> LoadedModel:
     quantize is None."""
     if quant.check_quantize(quantize) is None:
         return model
-    return dataclasses.replace(model, params=quant.quantize_params(model.params, quantize))
+    params = quant.for_platform(quant.quantize_params(model.params, quantize,
+                                                      block_quantize=gguf.block_quantize),
+                                jax.default_backend())
+    return dataclasses.replace(model, params=params)

@@ -29,11 +29,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ee_jax.models import weights
 from ee_jax.models.config import ConfigError
 
-QUANTIZE_MODES = ("int8",)
+# weight-only: "int8" (per-output-channel scales, `QArray`); "int4" (GGUF Q4_1 blocks of 32
+# inputs, an f16 scale and offset each, `BlockQ`: 0.625 bytes a weight, packed on TPU/GPU)
+QUANTIZE_MODES = ("int8", "int4")
 # The layer weights that are quantized: every matmul of a decoder layer.
 QUANTIZED_KEYS = weights.keys(layer=True, matmul=True)  # the layers' matmul weights
 
@@ -79,7 +82,8 @@ def check_quantize(quantize: str | None) -> str | None:
         return quantize
     raise QuantizeError(
         f"quantize={quantize!r} is not supported: ee-jax serves weight-only int8 "
-        f"(per-output-channel scales). Pass quantize='int8' (CLI: --quantize int8), or leave "
+        f"(per-output-channel scales) or int4 (GGUF Q4_1 blocks of 32). Pass quantize='int8' "
+        f"or 'int4' (CLI: --quantize int8|int4), or leave "
         f"it unset to serve the weights in the model dtype.")
 
 
@@ -308,15 +312,32 @@ def dequantize(w: QArray | BlockQ, dtype=jnp.float32) -> jax.Array:
 
 
 def quantize_params(params: dict, quantize: str | None = "int8", *,
-                    consume: bool = False) -> dict:
-    """The layer weights (`QUANTIZED_KEYS`) as QArrays; everything else (embedding, LM head,
-    norms, biases) unchanged. quantize None: `params` as they are. Already quantized
-    weights are kept. consume=True (a loader's fresh tree): `params["layers"]` is updated in
-    place, so each weight in the model dtype can be freed as soon as its int8 replaces it
-    (peak: the model in its dtype plus one int8 leaf, not plus the whole int8 model)."""
+                    consume: bool = False, block_quantize=None) -> dict:
+    """The layer weights (`QUANTIZED_KEYS`) as QArrays ("int8") or Q4_1 blocks ("int4",
+    through `block_quantize(w, kind)`: the GGUF format's, which the caller hands in);
+    everything else (embedding, LM head, norms, biases) unchanged. quantize None: `params`
+    as they are. Weights already in that form are kept (int4: a GGUF's blocks too).
+    consume=True (a loader's fresh tree): `params["layers"]` is updated in place, so each
+    weight in the model dtype can be freed as soon as its quantized form replaces it (peak:
+    the model in its dtype plus one quantized leaf, not plus the whole quantized model)."""
     if check_quantize(quantize) is None:
         return params
     layers = params["layers"] if consume else dict(params["layers"])
+    if quantize == "int4":
+        if block_quantize is None:
+            raise QuantizeError("quantize='int4' needs the GGUF block quantizer: load the "
+                                "model with load_model(..., quantize='int4')")
+        for key in QUANTIZED_KEYS:
+            if isinstance(layers[key], QArray):
+                layers[key] = dequantize(layers[key])
+            if not isinstance(layers[key], BlockQ):
+                inputs = layers[key].shape[-2]
+                if inputs % BLOCK:
+                    raise QuantizeError(
+                        f"quantize='int4' quantizes each weight in blocks of {BLOCK} inputs, "
+                        f"but layer weight {key!r} has {inputs} inputs; use quantize='int8'")
+                layers[key] = block_quantize(np.asarray(layers[key], np.float32), "Q4_1")
+        return params if consume else dict(params, layers=layers)
     for key in QUANTIZED_KEYS:
         if isinstance(layers[key], BlockQ):  # int8 of the weight the file's blocks hold
             layers[key] = dequantize(layers[key])
