@@ -487,7 +487,8 @@ def _compile(args) -> int:
     from ee_jax.serving.plan import EngineConfig
 
     target = aot.parse_target(args.target)
-    cfg, ec = aot.plan_model(args.model, args.dtype)
+    dtype = args.dtype or ("float32" if target.platform == "cpu" else "bfloat16")
+    cfg, ec = aot.plan_model(args.model, dtype)
     if not args.early_exit:
         ec = None
     elif ec is not None and args.exit_policy:
@@ -576,7 +577,10 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf "
                    "file (its header only), or a shape without weights: random:smollm2-135m, "
                    "random:llama-3.2-1b, random:llama-3.1-8b")
-    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the model's dtype (default: what the engine serves there, bfloat16 "
+                   "on TPU and GPU, float32 on CPU, whose compiler converts bf16 weights to "
+                   "f32 every step)")
     c.add_argument("--max-num-seqs", type=int, default=32)
     c.add_argument("--max-model-len", type=int, default=2048)
     c.add_argument("--page-size", type=int, default=16)

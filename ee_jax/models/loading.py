@@ -89,7 +89,8 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     else:
         cfg, params = registry.load_params(name_or_path, dtype=dtype,
                                            placement=None if quantize else placement,
-                                           blocks=blocks and quantize in (None, "int4") and not sharded)
+                                           blocks=blocks and quantize in (None, "int4")
+                                           and not sharded)
     params = quant.quantize_params(params, quantize, consume=True,  # a leaf at a time
                                    block_quantize=gguf.block_quantize)
     # block weights as this machine's steps read them best (CPU: one value a byte)
