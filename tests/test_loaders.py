@@ -275,6 +275,30 @@ def test_block_quantize_is_the_gguf_packages_round_trip(kind):
         gguf_loader.block_quantize(w, "Q5_K")
 
 
+@pytest.mark.parametrize("kind", gguf_loader.BLOCK_TYPES)
+def test_block_products_of_any_row_count_are_the_dequantized_products(kind):
+    """A block weight (and a block table as the LM head) times 1..6 rows (a matrix-vector
+    product, the output-major product of a few rows, the table by vocabulary chunks), in the
+    storage each target reads (CPU: one value a byte), equals numpy's product with the
+    dequantized f32 weight."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 96)).astype(np.float32)  # [in, out]
+    blocks = gguf_loader.block_quantize(w, kind)
+    dense = np.asarray(quant.dequantize(blocks)).astype(np.float64)
+    # the same blocks as a table [96, 64]: t @ x = x @ w
+    table = dataclasses.replace(blocks, table=True)
+    cpu, cpu_table = quant.for_platform(blocks, "cpu"), quant.for_platform(table, "cpu")
+    for rows in range(1, 7):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        for w_ in (blocks, cpu):
+            np.testing.assert_allclose(np.asarray(quant.linear(jnp.asarray(x), w_)),
+                                       x @ dense, rtol=1e-5, atol=1e-5)
+        for t in (table, cpu_table):
+            y = quant.table_matmul(jnp.asarray(x).reshape(1, rows, 64), t)
+            np.testing.assert_allclose(np.asarray(y).reshape(rows, 96), x @ dense,
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_gguf_without_unpermute_disagrees(tmp_path, torch_cpu, monkeypatch):
     """Negative control: the parity test above would catch a missing/wrong un-permutation."""
     from transformers import AutoModelForCausalLM
