@@ -508,7 +508,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         later, later_copies = cost_and_copies(check_fn(False), (params, heads, h, state),
                                               target)
         exit_head = cost(exit_head_fn(cfg), (params, heads, sds((B,), jnp.int32), h), target)
-        if "vocab" in heads:  # the subset's logits scattered into [B, V] f32, then picked
+        if heads.vocab is not None:  # the subset's logits scattered into [B, V] f32, then picked
             exit_head = exit_head + Cost(0.0, 2 * B * cfg.vocab_size * 4)
     maps = Cost(0.0, 0.0)
     maps_hand = 0.0
@@ -568,7 +568,7 @@ def exit_head_fn(cfg):
         hn = jax.vmap(lambda s, h: exit_heads.exit_hidden(hd, s, h, cfg))(slots, x)
         if "vocab" not in hd:
             return jnp.argmax(llama.unembed(p, hn, cfg), axis=-1)
-        return jnp.argmax(exit_heads.unembed_rows(p, hn, hd["vocab"], cfg, hd.get("vocab_rows")),
+        return jnp.argmax(exit_heads.unembed_rows(p, hn, hd.vocab, cfg, hd.vocab_rows),
                           axis=-1)
     return f
 

@@ -89,7 +89,7 @@ def tiny_setup(n: int):
     ec = ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
                     measure="candidates", candidates=4, threshold=0.5)
     heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(1))
-    heads["backfill"] = backfill_maps.zero_maps(cfg, ec.exit_layers)  # learned == propagate
+    heads = heads.replace(backfill=backfill_maps.zero_maps(cfg, ec.exit_layers))  # = propagate
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(10, 30))).tolist()
                for _ in range(n)]
@@ -114,7 +114,7 @@ def honest_ideal(cfg, ec, heads, stats) -> float:
     compute-bound above."""
     from ee_jax.models.exits import backfill_maps
 
-    rank = backfill_maps.rank_of(heads["backfill"]) if "backfill" in heads else 0
+    rank = backfill_maps.rank_of(heads.backfill) if heads.backfill is not None else 0
     return stats.ideal_speedup_with_head(cfg, ec, memory_bound_batch=1, maps_rank=rank)
 
 
@@ -159,9 +159,9 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     engines = {"full depth": full}
     engines.update({k: make_llm(model, e, heads, batch, max_len, exit_control=forced)
                     for k, e in ecs.items()})
-    if maps_f32 and "backfill" in heads:
-        f32 = dict(heads, backfill={k: jnp.asarray(v, jnp.float32)
-                                    for k, v in heads["backfill"].items()})
+    if maps_f32 and heads.backfill is not None:
+        f32 = heads.replace(backfill={k: jnp.asarray(v, jnp.float32)
+                                      for k, v in heads.backfill.items()})
         for bf in filter(uses_maps, backfills):
             ecs[f"exits {bf}, maps f32"] = ecs[f"exits {bf}"]
             engines[f"exits {bf}, maps f32"] = make_llm(model, ecs[f"exits {bf}"], f32, batch,

@@ -92,7 +92,8 @@ def test_exit_engine_compiles_each_shape_once():
     ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4,
                     measure="candidates", vocab_subset=40, candidates=4, threshold=0.5,
                     policy="per_row")
-    heads = dict(exit_heads.init_heads(CFG, ec, PARAMS), vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    heads = exit_heads.init_heads(CFG, ec, PARAMS).replace(
+        vocab=jnp.arange(3, 43, dtype=jnp.int32))
     engine = LLMEngine(CFG, PARAMS, None, EngineConfig.make(
         max_num_seqs=4, max_model_len=64, page_size=8, max_prefill_chunk=32,
         batch_buckets=(1, 2, 4)), exit_config=ec, exit_heads=heads)
@@ -170,8 +171,8 @@ def test_tracing_reads_no_ambient_platform(monkeypatch):
     from ee_jax.testing import random_backfill_maps
 
     ec = ExitConfig(exit_layers=(1, 2), backfill="learned", policy="all")
-    heads = dict(exit_heads.init_heads(CFG, ec, PARAMS),
-                 backfill=random_backfill_maps(CFG, ec.exit_layers))
+    heads = exit_heads.init_heads(CFG, ec, PARAMS).replace(
+        backfill=random_backfill_maps(CFG, ec.exit_layers))
     runner = ModelRunner(CFG, PARAMS, allocate_cache(CFG, 17, 8), ec, heads,
                          attention="auto", max_batch=8)
     shape = StepShape(8, 1, 2)

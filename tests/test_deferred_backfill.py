@@ -49,9 +49,9 @@ GRID = [0.1, 0.3, 0.6, 0.9, NEVER]  # -> first confident exit 1, 2, 3, L, L
 
 def _heads(ec):
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
-    noise = jax.random.normal(jax.random.PRNGKey(2), heads["norm"].shape)
+    noise = jax.random.normal(jax.random.PRNGKey(2), heads.norm.shape)
     b = [np.log(C[e] / (1 - C[e])) for e in EXIT_LAYERS]
-    return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise),
+    return heads.replace(norm=heads.norm * (1 + 0.3 * noise),
                 classifier={"w": jnp.zeros((len(EXIT_LAYERS), CFG.d_model), jnp.float32),
                             "b": jnp.asarray(b, jnp.float32)})
 
@@ -73,7 +73,7 @@ def _maps(rank=2):
 
 
 MAPS = _maps()
-HEADS = dict(_heads(_ec("per_row")), backfill=jax.tree.map(jnp.asarray, MAPS))
+HEADS = _heads(_ec("per_row")).replace(backfill=jax.tree.map(jnp.asarray, MAPS))
 # deferred_learned only under per_row: what it adds (the maps' correction in the back-fill
 # after the layers) is the same code under both policies
 COMBOS = (("per_row", "deferred"), ("all", "deferred"), ("per_row", "deferred_learned"))

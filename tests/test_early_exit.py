@@ -70,8 +70,8 @@ run = run_requests
 def perturbed_heads(ec, seed=2):
     """Exit norms that differ from the final norm and from each other (a wrong slot shows)."""
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
-    noise = jax.random.normal(jax.random.PRNGKey(seed), heads["norm"].shape)
-    return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise))
+    noise = jax.random.normal(jax.random.PRNGKey(seed), heads.norm.shape)
+    return heads.replace(norm=heads.norm * (1 + 0.3 * noise))
 
 
 # --------------------------------------------------------------------------- engines
@@ -296,9 +296,9 @@ class ClassifierRunner:
     def exit_layer(self, c_by_layer, row_thresholds, pad_threshold):
         """row_thresholds: [4] with None for padding rows."""
         b = [_logit(c_by_layer[e]) for e in EXIT_LAYERS]
-        self.runner.exit_heads = dict(
-            self.heads, classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
-                                    "b": jnp.asarray(b, jnp.float32)})
+        self.runner.exit_heads = self.heads.replace(
+            classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
+                        "b": jnp.asarray(b, jnp.float32)})
         batch = StepBatch.empty(self.shape)
         for r, t in enumerate(row_thresholds):
             if t is None:
@@ -633,14 +633,16 @@ def test_heads_with_wrong_shapes():
                     adapter_rank=8)
     good = exit_heads.init_heads(CFG, ec, PARAMS)
     exit_heads.check_heads(CFG, ec, good)
-    short_norm = dict(good, norm=good["norm"][:2])
-    no_classifier = {k: v for k, v in good.items() if k != "classifier"}
-    wide_rank = dict(good, adapter={"down": jnp.zeros((3, CFG.d_model, 9)),
-                                    "up": jnp.zeros((3, 9, CFG.d_model))})
-    for heads, leaf in [(short_norm, r"\['norm'\]\W+\(2, 48\)"),
-                        (no_classifier, r"\['classifier'\]\['w'\]"),
-                        (wide_rank, r"\['adapter'\]\['down'\]\W+\(3, 48, 9\)")]:
-        with pytest.raises(ExitConfigError, match=rf"exit heads do not match.*{leaf}"):
+    short_norm = good.replace(norm=good.norm[:2])
+    # a mapping of part names, as a caller may hold heads, is checked the same way
+    no_classifier = {k: v for k, v in good.parts().items() if k != "classifier"}
+    wide_rank = good.replace(adapter={"down": jnp.zeros((3, CFG.d_model, 9)),
+                                      "up": jnp.zeros((3, 9, CFG.d_model))})
+    for heads, leaf in [(short_norm, r"\.norm\W+\(2, 48\)"),
+                        (no_classifier, r"\.classifier\['w'\]"),
+                        (wide_rank, r"\.adapter\['down'\]\W+\(3, 48, 9\)"),
+                        ({**good.parts(), "bias": good.norm}, r"no part\(s\) \['bias'\]")]:
+        with pytest.raises(ExitConfigError, match=rf"exit heads.*{leaf}"):
             exit_heads.check_heads(CFG, ec, heads)
         with pytest.raises(ExitConfigError, match=leaf):
             ModelRunner(CFG, PARAMS, SMALL_CACHE, ec, heads)
@@ -667,8 +669,8 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     cfg = model.config
     ec = ExitConfig(exit_layers=(1, 2), head="mlp", adapter_rank=4, measure="candidates",
                     vocab_subset=40, candidates=4)
-    heads = dict(exit_heads.init_heads(cfg, ec, model.params),
-                      vocab=jnp.arange(3, 43, dtype=jnp.int32))
+    heads = exit_heads.init_heads(cfg, ec, model.params).replace(
+        vocab=jnp.arange(3, 43, dtype=jnp.int32))
     save_exit_heads(tmp_path / "heads", cfg, ec, heads)
     args = cli.build_parser().parse_args(["generate", "--model", "random", "--prompt", "x",
                                           "--exit-heads", str(tmp_path / "heads")])
@@ -676,5 +678,5 @@ def test_cli_serves_per_row_by_default_with_the_subset_rows_gathered_once(tmp_pa
     assert kw["exit_config"].policy == "per_row"
     runner = LLM(model, progress=False, **kw).engine.runner  # how the CLI builds its engine
     head = np.asarray(llama.unembed(model.params, jnp.eye(cfg.d_model), cfg)).T  # [V, D]
-    np.testing.assert_allclose(np.asarray(runner.exit_heads["vocab_rows"]), head[3:43],
+    np.testing.assert_allclose(np.asarray(runner.exit_heads.vocab_rows), head[3:43],
                                rtol=1e-6, atol=1e-6)

@@ -48,11 +48,12 @@ def random_heads(ec: ExitConfig, seed: int = 1):
     """Heads unlike the untrained ones: perturbed norms, a non-zero adapter, a classifier."""
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
     k = iter(jax.random.split(jax.random.PRNGKey(seed), 4))
-    heads["norm"] = heads["norm"] * (1 + 0.3 * jax.random.normal(next(k), heads["norm"].shape))
-    if "adapter" in heads:
-        heads["adapter"]["up"] = 0.2 * jax.random.normal(next(k), heads["adapter"]["up"].shape)
-    if "classifier" in heads:
-        heads["classifier"]["w"] = jax.random.normal(next(k), heads["classifier"]["w"].shape)
+    heads = heads.replace(
+        norm=heads.norm * (1 + 0.3 * jax.random.normal(next(k), heads.norm.shape)))
+    if heads.adapter is not None:
+        heads.adapter["up"] = 0.2 * jax.random.normal(next(k), heads.adapter["up"].shape)
+    if heads.classifier is not None:
+        heads.classifier["w"] = jax.random.normal(next(k), heads.classifier["w"].shape)
     return heads
 
 

@@ -34,9 +34,9 @@ def subset_heads(cfg, params, subset=SUBSET, k=K, seed=0):
     vocab = exit_heads.VocabSubset(subset, "tiny", cfg.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, vocab, cfg, "tiny")
     key = jax.random.PRNGKey(seed + 1)
-    heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
-    heads["decision"]["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
-                                                heads["decision"]["w2"].shape)
+    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
+    heads.decision["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
+                                                heads.decision["w2"].shape)
     return ec, heads
 
 
@@ -55,8 +55,8 @@ def test_int8_rows_and_the_approximate_logits(cfg, params):
     _, heads = subset_heads(cfg, params)
     hv = exit_heads.with_vocab_rows(params, heads, cfg)
     w = head_rows(cfg, params)[SUBSET]  # [K, D]
-    np.testing.assert_array_equal(np.asarray(hv["vocab_rows"]), w)  # the f32 rows kept as-is
-    q, s = np.asarray(hv["vocab_rows_q"]), np.asarray(hv["vocab_rows_scale"])
+    np.testing.assert_array_equal(np.asarray(hv.vocab_rows), w)  # the f32 rows kept as-is
+    q, s = np.asarray(hv.vocab_rows_q), np.asarray(hv.vocab_rows_scale)
     assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (len(SUBSET),)
     np.testing.assert_allclose(s, np.abs(w).max(1) / 127, rtol=1e-6)
     np.testing.assert_array_equal(q, np.round(w / s[:, None]))
@@ -116,8 +116,8 @@ def test_well_separated_top_k_is_found_exactly():
     cfg, params = TIED_CFG, TIED_PARAMS
     subset = np.arange(3, 3 + 96, dtype=np.int32)  # 96 ids: 3 blocks of `exit_checks.top_k`
     ec, heads = subset_heads(cfg, params, subset)
-    heads["mlp"]["up"] = jnp.zeros_like(heads["mlp"]["up"])  # exit hidden: h / rms(h)
-    heads["norm"] = jnp.ones_like(heads["norm"])
+    heads.mlp["up"] = jnp.zeros_like(heads.mlp["up"])  # exit hidden: h / rms(h)
+    heads = heads.replace(norm=jnp.ones_like(heads.norm))
     rng = np.random.default_rng(0)
     v = rng.normal(size=cfg.d_model)
     v /= np.linalg.norm(v)
@@ -141,22 +141,23 @@ def test_well_separated_top_k_is_found_exactly():
 def test_derived_leaves_are_checked_and_never_saved(tmp_path):
     ec, heads = subset_heads(CFG, PARAMS)
     hv = exit_heads.with_vocab_rows(PARAMS, heads, CFG)
-    assert set(hv) - set(heads) == set(exit_heads.DERIVED_LEAVES)
+    assert set(hv.parts()) - set(heads.parts()) == set(exit_heads.DERIVED_LEAVES)
     exit_heads.check_heads(CFG, ec, hv)
     again = exit_heads.with_vocab_rows(PARAMS, hv, CFG)  # idempotent: derived from the head again
-    assert set(again) == set(hv)
-    np.testing.assert_array_equal(np.asarray(again["vocab_rows_q"]), np.asarray(hv["vocab_rows_q"]))
-    assert set(exit_heads.with_vocab_rows(PARAMS, hv, CFG, None)) == set(heads) | {"vocab_rows"}
+    assert set(again.parts()) == set(hv.parts())
+    np.testing.assert_array_equal(np.asarray(again.vocab_rows_q), np.asarray(hv.vocab_rows_q))
+    assert (set(exit_heads.with_vocab_rows(PARAMS, hv, CFG, None).parts())
+            == set(heads.parts()) | {"vocab_rows"})
     with pytest.raises(ExitConfigError, match="vocab_rows_q"):
-        exit_heads.check_heads(CFG, ec, dict(hv, vocab_rows_q=hv["vocab_rows_q"][:3]))
+        exit_heads.check_heads(CFG, ec, hv.replace(vocab_rows_q=hv.vocab_rows_q[:3]))
     with pytest.raises(ExitConfigError, match="vocab_rows_scale"):
-        exit_heads.check_heads(CFG, ec, dict(hv, vocab_rows_scale=jnp.ones((3,))))
+        exit_heads.check_heads(CFG, ec, hv.replace(vocab_rows_scale=jnp.ones((3,))))
     with pytest.raises(ExitConfigError, match="candidate_dtype"):
         exit_heads.with_vocab_rows(PARAMS, heads, CFG, "int4")
     save_exit_heads(tmp_path / "h", CFG, ec, hv)  # serving heads saved: the derived leaves drop
     saved = " ".join(os.listdir(tmp_path / "h"))
     ec2, back = load_exit_heads(tmp_path / "h", CFG)
-    assert ec2 == ec and set(back) == set(heads), saved
+    assert ec2 == ec and set(back.parts()) == set(heads.parts()), saved
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(heads), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     exit_heads.check_heads(CFG, ec, exit_heads.with_vocab_rows(PARAMS, back, CFG))

@@ -43,10 +43,10 @@ def subset_heads(cfg, params, measure="candidates", k=4, seed=0):
     subset = exit_heads.VocabSubset(SUBSET, "tiny", cfg.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, subset, cfg, "tiny")
     key = jax.random.PRNGKey(seed + 1)
-    heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
-    if "decision" in heads:  # a decision MLP with some spread, so thresholds matter
-        heads["decision"]["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
-                                                    heads["decision"]["w2"].shape)
+    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
+    if heads.decision is not None:  # a decision MLP with some spread, so thresholds matter
+        heads.decision["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
+                                                    heads.decision["w2"].shape)
     return ec, heads
 
 
@@ -169,7 +169,7 @@ def test_later_checks_score_from_the_subset_rows_bit_for_bit():
             _, st1 = exit_checks.candidate_features(params, rows, 0, h, st0, cfg, ec)
             np.testing.assert_array_equal(SUBSET[np.asarray(st1.cand_pos)],
                                           np.asarray(st1.cand))
-            no_rows = {k: v for k, v in rows.items() if k != "vocab_rows"}
+            no_rows = rows.replace(vocab_rows=None)
             got, want = (exit_checks.candidate_features(params, hv, 1, 2 * h, st1, cfg, ec,
                                                         first=False)[1]
                          for hv in (rows, no_rows))
@@ -187,7 +187,7 @@ def test_vocab_rows_gathered_once_change_nothing():
         rows = exit_heads.with_vocab_rows(params, heads, cfg, candidate_dtype=None)
         exit_heads.check_heads(cfg, ec, rows)
         np.testing.assert_array_equal(
-            np.asarray(rows["vocab_rows"]),
+            np.asarray(rows.vocab_rows),
             np.asarray(llama.unembed(params, jnp.eye(cfg.d_model), cfg)).T[SUBSET])
         h = jax.random.normal(jax.random.PRNGKey(4), (3, cfg.d_model))
         st0 = exit_checks.init_check_state(h, ec)
@@ -204,7 +204,7 @@ def test_vocab_rows_gathered_once_change_nothing():
                                    np.asarray(exit_heads.exit_logits(params, heads, 1, h, cfg)),
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(ExitConfigError, match="vocab_rows"):
-        exit_heads.check_heads(CFG, ec, dict(heads, vocab_rows=jnp.zeros((3, CFG.d_model))))
+        exit_heads.check_heads(CFG, ec, heads.replace(vocab_rows=jnp.zeros((3, CFG.d_model))))
 
 
 def test_bad_subsets_targets_and_mismatched_models_are_clear_errors():
@@ -239,7 +239,7 @@ def test_subset_heads_round_trip_and_pick_a_threshold_per_target(tmp_path):
     table = exit_threshold.calibration_table(conf, agree, ec.exit_layers, CFG.n_layers)
     save_exit_heads(tmp_path / "h", CFG, ec, heads, calibration=table.to_json())
     ec2, back = load_exit_heads(tmp_path / "h", CFG)
-    np.testing.assert_array_equal(np.asarray(back["vocab"]), SUBSET)
+    np.testing.assert_array_equal(np.asarray(back.vocab), SUBSET)
     assert ec2 == ec
     ec3, _ = load_exit_heads(tmp_path / "h", CFG, target_agreement=0.9)
     assert ec3.threshold == exit_threshold.pick_threshold(table, 0.9)
@@ -447,8 +447,8 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     heads = exit_heads.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
     subset = exit_heads.VocabSubset(sub, "tiny", CFG.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, subset, CFG, "tiny")
-    heads["decision"]["w2"] = 2.0 * jax.random.normal(jax.random.PRNGKey(1),
-                                                      heads["decision"]["w2"].shape)
+    heads.decision["w2"] = 2.0 * jax.random.normal(jax.random.PRNGKey(1),
+                                                      heads.decision["w2"].shape)
     save_exit_heads(tmp_path / "h", CFG, ec, heads)
     (tmp_path / "h" / "tune_config.json").write_text('{"run": "kept"}\n')
     rng = np.random.default_rng(2)

@@ -217,7 +217,6 @@ def test_saved_heads_and_maps_are_readable_by_others_as_the_umask_allows(tmp_pat
     import stat
 
     from ee_jax.models.exits import checkpoint as exit_checkpoint
-    from ee_jax.models.exits import heads as exit_heads
     from ee_jax.models.exits.config import ExitConfig
 
     ec = ExitConfig(exit_layers=EXITS, backfill="learned")
@@ -232,7 +231,7 @@ def test_saved_heads_and_maps_are_readable_by_others_as_the_umask_allows(tmp_pat
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
     got_ec, got = exit_checkpoint.load_exit_heads(tmp_path / "h", CFG)
-    assert got_ec.backfill == "learned" and bm.rank_of(got[exit_heads.BACKFILL_MAPS]) == 5
+    assert got_ec.backfill == "learned" and bm.rank_of(got.backfill) == 5
 
 
 # --------------------------------------------------------------------------- in the engine
@@ -252,7 +251,7 @@ def _engine(ec, heads, mesh=None):
 def _heads(ec, maps):
     from ee_jax.models.exits import heads as exit_heads
 
-    return dict(exit_heads.init_heads(CFG, ec, PARAMS), backfill=maps)
+    return exit_heads.init_heads(CFG, ec, PARAMS).replace(backfill=maps)
 
 
 @pytest.mark.parametrize("backfill", ["deferred", "propagate", "learned", "deferred_learned"])
@@ -295,7 +294,7 @@ def test_engine_refuses_maps_that_do_not_fit():
 
     ec = ExitConfig(exit_layers=EXITS, backfill="learned")
     with pytest.raises(ExitConfigError, match="needs fitted maps"):
-        _engine(ec, {k: v for k, v in _heads(ec, None).items() if k != "backfill"})
+        _engine(ec, _heads(ec, None).replace(backfill=None))
     other = tiny_config(eos_token_ids=(), n_layers=6, d_model=64)
     with pytest.raises(bm.BackfillMapsError, match="'a' has shape"):  # another model's
         _engine(ec, _heads(ec, bm.zero_maps(other, EXITS, 2)))

@@ -46,8 +46,8 @@ LAYERS = [llama.layer_params(PARAMS, i) for i in range(L)]
 def perturbed_heads(ec, seed=2):
     """Exit norms that differ from the final norm and from each other (a wrong slot shows)."""
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
-    noise = jax.random.normal(jax.random.PRNGKey(seed), heads["norm"].shape)
-    return dict(heads, norm=heads["norm"] * (1 + 0.3 * noise))
+    noise = jax.random.normal(jax.random.PRNGKey(seed), heads.norm.shape)
+    return heads.replace(norm=heads.norm * (1 + 0.3 * noise))
 
 
 # --------------------------------------------------------------------------- references
@@ -151,8 +151,8 @@ def test_each_row_exits_at_its_first_confident_exit(step_case, c_by_layer, row_t
     """Classifier with w = 0: every row's confidence at exit e is sigmoid(b[e]) = c[e], so
     its per-row threshold alone decides its first confident exit; None = a padding row."""
     b = [np.log(c_by_layer[e] / (1 - c_by_layer[e])) for e in EXIT_LAYERS]
-    heads = dict(CLS_HEADS, classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
-                                        "b": jnp.asarray(b, jnp.float32)})
+    heads = CLS_HEADS.replace(classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
+                                          "b": jnp.asarray(b, jnp.float32)})
     B, W = 4, 3
     tokens = np.zeros((B, 1), np.int32)
     positions = np.zeros((B, 1), np.int32)
@@ -217,11 +217,11 @@ def candidate_case(exit_layers):
                     vocab_subset=CFG.vocab_size, candidates=3, policy="per_row")
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(11))
     key = jax.random.PRNGKey(12)
-    heads["vocab"] = jnp.asarray(np.random.default_rng(3).permutation(CFG.vocab_size),
-                                 jnp.int32)
-    heads["mlp"]["up"] = 0.3 * jax.random.normal(key, heads["mlp"]["up"].shape)
-    heads["decision"]["w2"] = 2.0 * jax.random.normal(jax.random.fold_in(key, 1),
-                                                      heads["decision"]["w2"].shape)
+    heads = heads.replace(vocab=jnp.asarray(
+        np.random.default_rng(3).permutation(CFG.vocab_size), jnp.int32))
+    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
+    heads.decision["w2"] = 2.0 * jax.random.normal(jax.random.fold_in(key, 1),
+                                                      heads.decision["w2"].shape)
     return ec, heads
 
 
@@ -308,8 +308,9 @@ def test_row_exit_logits_match_exit_logits():
     ec = ExitConfig(exit_layers=EXIT_LAYERS, head="adapter", adapter_rank=8)
     heads = perturbed_heads(ec, seed=9)
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
-    heads["adapter"] = {"down": jax.random.normal(k1, heads["adapter"]["down"].shape) * 0.1,
-                        "up": jax.random.normal(k2, heads["adapter"]["up"].shape) * 0.1}
+    heads = heads.replace(adapter={
+        "down": jax.random.normal(k1, heads.adapter["down"].shape) * 0.1,
+        "up": jax.random.normal(k2, heads.adapter["up"].shape) * 0.1})
     h = jax.random.normal(jax.random.PRNGKey(4), (5, CFG.d_model))
     slots = jnp.asarray([2, -1, 0, 1, 0])
     got = exit_heads.row_exit_logits(PARAMS, heads, slots, h, CFG)

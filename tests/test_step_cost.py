@@ -252,7 +252,7 @@ THRESHOLD = {1: 0.1, 2: 0.3, 3: 0.6, 4: NEVER}  # a row's threshold -> its first
 def _heads(e):
     heads = exit_heads.init_heads(CFG, e, PARAMS)
     b = [np.log(CONF[x] / (1 - CONF[x])) for x in e.exit_layers]
-    return dict(heads, classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
+    return heads.replace(classifier={"w": jnp.zeros((3, CFG.d_model), jnp.float32),
                                    "b": jnp.asarray(b, jnp.float32)})
 
 

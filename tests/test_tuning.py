@@ -56,7 +56,7 @@ def test_agreement_metric_is_top1_of_exit_head_vs_final_layer():
 
     ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
-    heads["mlp"]["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads["mlp"]["up"].shape)
+    heads.mlp["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp["up"].shape)
     tokens = jnp.asarray(ROWS[:2])
     _, m = exit_losses(heads, PARAMS, tokens, CFG, ec, LossWeights())
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
@@ -170,7 +170,7 @@ def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
 
     ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
-    heads["mlp"]["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads["mlp"]["up"].shape)
+    heads.mlp["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp["up"].shape)
     tokens = jnp.asarray(ROWS[:2])
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
     hs = hidden[np.asarray(ec.exit_layers) - 1]
@@ -222,12 +222,12 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert float(loss(res.heads)) < float(loss(start)) - 1e-3
     # saved: subset of the most frequent ids, decision MLPs, calibrated threshold
     ec2, heads = load_exit_heads(tc.output, CFG)
-    assert ec2.measure == "candidates" and heads["vocab"].shape == (64,)
+    assert ec2.measure == "candidates" and heads.vocab.shape == (64,)
     assert ec2.threshold == res.exit_config.threshold
     assert ec2.threshold == NEVER or 0.0 < ec2.threshold < 1.0
     assert ec2.backfill == tc.exit_config.backfill
     # learned back-fill maps fitted and shipped beside the heads, recorded in exit_config.json
-    assert heads["backfill"]["a"].shape[-1] == tc.backfill_rank
+    assert heads.backfill["a"].shape[-1] == tc.backfill_rank
     record = json.loads((Path(tc.output) / "exit_config.json").read_text())["backfill_maps"]
     assert record["rank"] == tc.backfill_rank and record["fit_tokens"] > 0
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)

@@ -51,8 +51,8 @@ def _ec(policy: str, max_draft: int, **kw) -> ExitConfig:
 def _heads(ec, noise: float):
     """Norm heads: the final norm (LayerSkip's shared head), perturbed by `noise`."""
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
-    eps = jax.random.normal(jax.random.PRNGKey(3), heads["norm"].shape)
-    return dict(heads, norm=heads["norm"] * (1 + noise * eps))
+    eps = jax.random.normal(jax.random.PRNGKey(3), heads.norm.shape)
+    return heads.replace(norm=heads.norm * (1 + noise * eps))
 
 
 def _engine(ec=None, heads=None, **kw) -> LLMEngine:

@@ -108,9 +108,9 @@ def evaluate_heads(model, variants: dict, workloads: dict, thresholds: dict, *,
                                             / max(1, pred.num_tokens)),
                 "oracle_ideal_with_head": cost.ideal_speedup(oracle),
                 "simulated": [dataclasses.asdict(s) for s in sims]}
-            if "vocab" in heads:
+            if heads.vocab is not None:
                 v["subset_coverage_of_answers"] = float(
-                    np.isin(answer_tokens, np.asarray(heads["vocab"])).mean())
+                    np.isin(answer_tokens, np.asarray(heads.vocab)).mean())
             res["variants"][vname] = v
             for s in sims:
                 _log(f"  {vname} @ {s.threshold}: TF {s.agreement:.3f}, layers "

@@ -216,8 +216,9 @@ def exit_predictor(cfg: ModelConfig, ec: ExitConfig, config: ControllerConfig,
     over the full-depth program (`exit_cost.step_speedup` under `ec`, the runner's exit
     config: its back-fill, policy and row buckets; the exit loop's `check_overhead` charged
     on top). platform: the runner's (default: JAX's default backend)."""
-    rank = (backfill_maps.rank_of(heads["backfill"])
-            if uses_maps(ec.backfill) and isinstance(heads, dict) and "backfill" in heads else 0)
+    rank = (backfill_maps.rank_of(heads.backfill)
+            if uses_maps(ec.backfill) and heads is not None and heads.backfill is not None
+            else 0)
     cm = exit_cost.cost_model(cfg, ec, maps_rank=rank)
     platform = platform or jax.default_backend()
     cpu = platform == "cpu"

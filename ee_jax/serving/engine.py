@@ -119,7 +119,8 @@ class LLMEngine:
         if exit_config is not None and exit_config.enabled:
             # the runner's exit config: its row buckets are what the exit program runs
             self.controller = ExitController(config.exit_control, exit_predictor(
-                cfg, self.runner.exit_config, config.exit_control, exit_heads, platform),
+                cfg, self.runner.exit_config, config.exit_control, self.runner.exit_heads,
+                platform),
                 verified=self.verify)
         self.stats = EngineStats()
         self._inflight: _Launched | None = None  # the launched step not yet read

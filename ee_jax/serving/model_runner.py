@@ -483,7 +483,7 @@ class ModelRunner:
             exit_config.validate_for(cfg)
             if exit_heads is None:
                 exit_heads = init_heads(cfg, exit_config, params)
-            check_heads(cfg, exit_config, exit_heads)
+            exit_heads = check_heads(cfg, exit_config, exit_heads)
             # The subset's LM-head rows gathered once here, not in every step's first check.
             exit_heads = jax.eval_shape(lambda p, h: with_vocab_rows(p, h, cfg), params,
                                         exit_heads) \

@@ -521,7 +521,7 @@ def _with_checks(params, heads, cache, tokens, meta, thresholds, cfg: ModelConfi
     # back-fill "learned" / "deferred_learned": each row's fitted maps for its exit (table: -1
     # at L and 0); under "deferred_learned" both the row's token and its pending one are
     # filled from their states at the row's exit, so one slot a row serves both
-    learned = (Learned(heads["backfill"], table[exit_layer], ec.exit_layers[0],
+    learned = (Learned(heads.backfill, table[exit_layer], ec.exit_layers[0],
                        backfill_maps.gathers(platform, B))
                if uses_maps(ec.backfill) else None)
     if not deferred:

@@ -30,7 +30,7 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits import checks as exit_checks
 from ee_jax.models.exits import heads as exit_heads
 from ee_jax.models.exits.config import ExitConfig
-from ee_jax.training.losses import LossWeights, restricted_exit_losses
+from ee_jax.training.losses import LossWeights, restricted_exit_losses, trainable
 
 
 def _log(msg: str) -> None:
@@ -105,10 +105,6 @@ def make_restricted_step(cfg, ec, w: LossWeights, opt):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def trainable(heads: dict) -> dict:
-    return {k: v for k, v in heads.items() if k in ("norm", "adapter", "mlp")}
-
-
 def train_heads(cfg, ec, w, params, heads, cache, opt, *, batch: int, epochs: int,
                 kl_vocab: int, seed: int, fill: np.ndarray, rows: np.ndarray,
                 progress: bool = True, log_every: int = 25) -> tuple[dict, list[dict]]:
@@ -144,7 +140,7 @@ def train_heads(cfg, ec, w, params, heads, cache, opt, *, batch: int, epochs: in
             if progress and rec["step"] % log_every == 0:
                 bar.set_postfix(loss=f"{loss:.3f}", agree=f"{np.mean(rec['agree']):.3f}")
     bar.close()
-    return dict(heads, **part), history
+    return heads.replace(**part), history
 
 
 # --------------------------------------------------------------------------- decisions
@@ -162,9 +158,9 @@ def _decision_batch(params, heads, hs, emb, final_top, cfg: ModelConfig,
         h = h.astype(emb.dtype)
         feats, state = exit_checks.candidate_features(params, heads, slot, h, state, cfg, ec)
         hn = exit_heads.exit_hidden(heads, slot, h, cfg)
-        if "vocab" in heads:
-            top = jnp.take(heads["vocab"], jnp.argmax(
-                exit_heads.unembed_rows(params, hn, heads["vocab"], cfg), axis=-1))
+        if heads.vocab is not None:
+            top = jnp.take(heads.vocab, jnp.argmax(
+                exit_heads.unembed_rows(params, hn, heads.vocab, cfg), axis=-1))
         else:
             top = jnp.argmax(llama.unembed(params, hn, cfg), axis=-1)
         return state, (feats, top == final_top, top)
@@ -196,19 +192,20 @@ def decision_data(cfg, ec, params, heads, hs: np.ndarray, tokens: np.ndarray,
     return np.concatenate(feats, axis=1), np.concatenate(agree, axis=1)
 
 
-def fit_decisions(heads: dict, feats: np.ndarray, agree: np.ndarray, *, steps: int = 400,
-                  lr: float = 1e-2, seed: int = 0) -> tuple[dict, np.ndarray]:
-    """Fit heads["decision"] (one MLP per exit, vmapped) by full-batch Adam on BCE of
+def fit_decisions(heads: exit_heads.ExitHeads, feats: np.ndarray, agree: np.ndarray, *,
+                  steps: int = 400, lr: float = 1e-2, seed: int = 0
+                  ) -> tuple[exit_heads.ExitHeads, np.ndarray]:
+    """Fit heads.decision (one MLP per exit, vmapped) by full-batch Adam on BCE of
     feats [E, n, F] against agree [E, n]; returns (heads, final BCE per exit [E])."""
     x, y = jnp.asarray(feats), jnp.asarray(agree, jnp.float32)
-    d0 = jax.tree.map(jnp.asarray, heads["decision"])
+    d0 = jax.tree.map(jnp.asarray, heads.decision)
     d0 = dict(d0, b2=jnp.log(jnp.clip(y.mean(1), 1e-3, 1 - 1e-3))
               - jnp.log1p(-jnp.clip(y.mean(1), 1e-3, 1 - 1e-3)))
     opt = optax.adam(lr)
 
     def bce(d):
-        one = jax.vmap(lambda dd, xx: exit_checks.decision_logit({"decision": jax.tree.map(
-            lambda a: a[None], dd)}, 0, xx))(d, x)  # [E, n]
+        one = jax.vmap(lambda dd, xx: exit_checks.decision_logit(_one_decision(dd), 0, xx)
+                       )(d, x)  # [E, n]
         return jnp.mean(jnp.logaddexp(0.0, one) - y * one, axis=1)
 
     @jax.jit
@@ -220,12 +217,16 @@ def fit_decisions(heads: dict, feats: np.ndarray, agree: np.ndarray, *, steps: i
     d, s = d0, opt.init(d0)
     for _ in range(steps):
         d, s, _ = step(d, s)
-    return dict(heads, decision=d), np.asarray(bce(d))
+    return heads.replace(decision=d), np.asarray(bce(d))
 
 
-def confidences(heads: dict, feats: np.ndarray) -> np.ndarray:
+def _one_decision(d: dict) -> exit_heads.ExitHeads:
+    """One exit's decision MLP as heads of one exit (slot 0)."""
+    return exit_heads.ExitHeads(decision=jax.tree.map(lambda a: a[None], d))
+
+
+def confidences(heads: exit_heads.ExitHeads, feats: np.ndarray) -> np.ndarray:
     """feats [E, n, F] -> the served confidence [E, n] (the decision MLP's sigmoid)."""
-    d = heads["decision"]
-    out = jax.vmap(lambda dd, xx: exit_checks.decision_logit(
-        {"decision": jax.tree.map(lambda a: a[None], dd)}, 0, xx))(d, jnp.asarray(feats))
+    out = jax.vmap(lambda dd, xx: exit_checks.decision_logit(_one_decision(dd), 0, xx)
+                   )(heads.decision, jnp.asarray(feats))
     return np.asarray(jax.nn.sigmoid(out))

@@ -33,17 +33,24 @@ class LossWeights:
     classifier: float = 1.0
 
 
+def trainable(heads: exit_heads.ExitHeads | dict) -> dict:
+    """The parts tuning fits by gradient, as a dict (what the optimiser holds)."""
+    parts = exit_heads.as_heads(heads).parts()
+    return {k: v for k, v in parts.items() if k in ("norm", "adapter", "mlp")}
+
+
 def _one_exit(params, head, h, logp_final, top_final, targets, cfg: ModelConfig):
-    """Losses of one exit. head: that exit's slice of the heads tree; h: [B, T, D]."""
-    one = jax.tree.map(lambda a: a[None], head)  # the serving functions index slot 0
+    """Losses of one exit. head: that exit's slice of the heads' parts; h: [B, T, D]."""
+    # the serving functions index slot 0
+    one = exit_heads.as_heads(jax.tree.map(lambda a: a[None], head))
     logp = jax.nn.log_softmax(exit_heads.exit_logits(params, one, 0, h, cfg), axis=-1)  # [B, T, V]
     kl = jnp.sum(jnp.exp(logp_final) * (logp_final - logp), axis=-1)  # [B, T]
     ce = -jnp.take_along_axis(logp[:, :-1], targets[..., None], axis=-1)[..., 0]  # [B, T-1]
     top = jnp.argmax(logp, axis=-1)
     agree = (top == top_final).astype(jnp.float32)  # [B, T]
     metrics = {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
-    if "classifier" in head:
-        frozen = dict(one, norm=jax.lax.stop_gradient(one["norm"]))
+    if one.classifier is not None:
+        frozen = one.replace(norm=jax.lax.stop_gradient(one.norm))
         conf_logit = exit_checks.classifier_logit(frozen, 0, h, cfg)
         bce = jnp.mean(jnp.logaddexp(0.0, conf_logit) - agree * conf_logit)  # stable BCE
         metrics["bce"] = bce
@@ -100,7 +107,7 @@ def restricted_exit_losses(heads, params: llama.Params, hs: jax.Array, final_nor
 
     def body(_, xs):
         head, h = xs
-        one = jax.tree.map(lambda a: a[None], head)
+        one = exit_heads.as_heads(jax.tree.map(lambda a: a[None], head))
         hn = exit_heads.exit_hidden(one, 0, h.astype(final_normed.dtype), cfg)
         student = exit_heads.unembed_rows(params, hn, vocab_ids, cfg)  # [B, T, S]
         kl = restricted_kl(teacher, student, valid)
@@ -109,6 +116,5 @@ def restricted_exit_losses(heads, params: llama.Params, hs: jax.Array, final_nor
         agree = (jnp.argmax(logp, axis=-1) == t_top).astype(jnp.float32)
         return None, {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
 
-    trainable = {k: v for k, v in heads.items() if k in ("norm", "adapter", "mlp")}
-    _, m = jax.lax.scan(jax.checkpoint(body), None, (trainable, hs))
+    _, m = jax.lax.scan(jax.checkpoint(body), None, (trainable(heads), hs))
     return w.kl * m["kl"].sum() + w.ce * m["ce"].sum(), m

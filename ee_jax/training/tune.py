@@ -296,7 +296,7 @@ def refit_backfill_maps(tc: TuneConfig, model, heads_dir: str | Path,
                 "V_learned": round(float(errs[:, 3].mean()), 3)}
 
     new = mean_errors(maps)
-    old = mean_errors(heads["backfill"]) if "backfill" in heads else None
+    old = mean_errors(heads.backfill) if heads.backfill is not None else None
     tuned = None
     if finetune_epochs > 0:
         maps, tuned = _finetune_maps(model, ec, heads, maps, train, held_pairs,
@@ -456,7 +456,7 @@ def _restore(mngr, like: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
 
 @dataclasses.dataclass
 class TuneResult:
-    heads: dict
+    heads: exit_heads.ExitHeads
     exit_config: ExitConfig
     steps: int
     history: list[dict]
@@ -489,7 +489,8 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
     total = steps_per_epoch * tc.epochs  # the schedule's length
     stop = total if tc.max_steps is None else min(total, tc.max_steps)  # an early stop only
     opt = make_optimizer(tc, total)
-    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed))
+    # optimised as a dict of the parts (what the resume checkpoint holds)
+    heads = exit_heads.init_heads(cfg, ec, params, jax.random.PRNGKey(tc.seed)).parts()
     opt_state = opt.init(heads)
     work = Path(tc.work_dir)
     history: list[dict] = []
@@ -549,7 +550,7 @@ def tune(tc: TuneConfig, *, model=None, train: np.ndarray | None = None,
         _log(f"exit heads -> {out}")
     secs = time.perf_counter() - t_start
     _log(f"done in {secs / 60:.1f} min")
-    return TuneResult(heads, ec, stop, history, eval_metrics, out, secs)
+    return TuneResult(exit_heads.as_heads(heads), ec, stop, history, eval_metrics, out, secs)
 
 
 def evaluate_heads(cfg, ec, w, params, heads, rows: np.ndarray | None,
@@ -627,7 +628,7 @@ def tune_cached(tc: TuneConfig, model, *, train: np.ndarray | None, held_out: np
         t0 = time.perf_counter()
         n_rows = max(1, min(len(train), tc.backfill_tokens // train.shape[1]))
         fitter = fit_from_rows(cfg, params, ec.exit_layers, train[:n_rows], progress=progress)
-        heads = dict(heads, backfill=fitter.solve(tc.backfill_rank, tc.backfill_ridge))
+        heads = heads.replace(backfill=fitter.solve(tc.backfill_rank, tc.backfill_ridge))
         marks["backfill_maps_s"] = time.perf_counter() - t0
         maps_info = {"rank": tc.backfill_rank, "ridge": tc.backfill_ridge,
                      "fit_tokens": int(fitter.n), "fit_data": "training rows (dense forward)"}

@@ -43,10 +43,10 @@ def _model_id(cfg: ModelConfig) -> dict:
 def save_exit_heads(path, cfg: ModelConfig, ec: ExitConfig, heads, *,
                     overwrite: bool = True, calibration: dict | None = None,
                     maps_info: dict | None = None) -> Path:
-    """Write heads (and, under heads["backfill"], learned back-fill maps with `maps_info`:
+    """Write heads (and their learned back-fill maps, `ExitHeads.backfill`, with `maps_info`:
     how they were fitted) and the ExitConfig to folder `path`."""
-    maps = heads.get(exit_heads.BACKFILL_MAPS) if isinstance(heads, dict) else None
-    exit_heads.check_heads(cfg, ec, heads)
+    heads = exit_heads.check_heads(cfg, ec, heads)
+    maps = heads.backfill
     heads = exit_heads.without_derived(heads)  # LM-head rows held for serving are not saved
     path = Path(path).absolute()
     if path.exists():
@@ -67,7 +67,8 @@ def save_exit_heads(path, cfg: ModelConfig, ec: ExitConfig, heads, *,
 
 
 def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None = None,
-                    target_agreement: float | None = None) -> tuple[ExitConfig, dict]:
+                    target_agreement: float | None = None
+                    ) -> tuple[ExitConfig, exit_heads.ExitHeads]:
     """Restore heads for `cfg`; fails clearly if they were made for another model, or for
     other exit layers than `exit_layers` (when the caller asks for specific ones). With
     `target_agreement`, the threshold is re-picked from the shipped calibration table."""
@@ -100,15 +101,16 @@ def load_exit_heads(path, cfg: ModelConfig, exit_layers: tuple[int, ...] | None 
         ec = dataclasses.replace(ec, threshold=thr, target_agreement=target_agreement)
     heads = read_heads(path, exit_heads.head_shapes(cfg, ec))
     if (path / backfill_maps.FILE).is_file():  # fitted maps ship beside the heads
-        heads[exit_heads.BACKFILL_MAPS] = backfill_maps.load_maps(path, cfg, ec.exit_layers)[0]
-    exit_heads.check_heads(cfg, ec, heads)
-    if "vocab" in heads:
-        exit_heads.check_vocab_subset(np.asarray(heads["vocab"]), cfg.vocab_size)
+        heads = heads.replace(backfill=backfill_maps.load_maps(path, cfg, ec.exit_layers)[0])
+    heads = exit_heads.check_heads(cfg, ec, heads)
+    if heads.vocab is not None:
+        exit_heads.check_vocab_subset(np.asarray(heads.vocab), cfg.vocab_size)
     return ec, jax.tree.map(lambda a: a, heads)
 
 
 def _key(path) -> str:
-    return ".".join(str(k.key) for k in path)
+    """A leaf's tensor name: its part and key ("mlp.down", "norm")."""
+    return ".".join(str(getattr(k, "name", None) or k.key) for k in path)
 
 
 def write_heads(folder: Path, heads) -> Path:
@@ -117,7 +119,7 @@ def write_heads(folder: Path, heads) -> Path:
     return safetensors_io.save_file(tensors, Path(folder) / HEADS)
 
 
-def read_heads(folder: Path, target) -> dict:
+def read_heads(folder: Path, target: exit_heads.ExitHeads) -> exit_heads.ExitHeads:
     """Heads shaped like `target` (`exit_heads.head_shapes`) from folder/HEADS, or from an
     orbax item folder/ORBAX_HEADS written before; a clear error naming a missing, extra or
     misshapen leaf."""
@@ -127,7 +129,8 @@ def read_heads(folder: Path, target) -> dict:
             import orbax.checkpoint as ocp
 
             with ocp.StandardCheckpointer() as ckptr:
-                return ckptr.restore(Path(folder) / ORBAX_HEADS, target)
+                return exit_heads.ExitHeads.from_parts(
+                    ckptr.restore(Path(folder) / ORBAX_HEADS, target.parts()))
         raise ModelLoadError(f"{folder} holds no exit heads ({HEADS} missing); save them with "
                              f"ee_jax.models.exits.checkpoint.save_exit_heads")
     import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)

@@ -54,8 +54,8 @@ def saturation(h: jax.Array, h_prev: jax.Array) -> jax.Array:
 
 def classifier_logit(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The learned confidence before the sigmoid (what tuning's BCE loss sees)."""
-    c = at_slot(heads["classifier"], slot)
-    hn = llama.norm(h, at_slot(heads["norm"], slot), cfg).astype(jnp.float32)
+    c = at_slot(heads.classifier, slot)
+    hn = llama.norm(h, at_slot(heads.norm, slot), cfg).astype(jnp.float32)
     return hn @ c["w"] + c["b"]
 
 
@@ -101,7 +101,7 @@ class CheckState:
 
     h_prev: jax.Array  # [..., D] hidden state at the previous exit check
     cand: jax.Array  # [..., k] int32 candidate token ids (measure "candidates")
-    cand_pos: jax.Array  # [..., k] int32 their positions in the subset (heads["vocab"]; 0 without)
+    cand_pos: jax.Array  # [..., k] int32 their positions in the subset (ExitHeads.vocab; 0 without)
     cand_logit: jax.Array  # [..., k] f32 their logits at the previous check
     p0: jax.Array  # [...] f32 the first check's top-1 probability over the head's vocabulary
 
@@ -125,7 +125,7 @@ def _score_candidates(params: llama.Params, heads, hn: jax.Array, cand: jax.Arra
     TPU a gather from the whole head is not k rows: XLA copies SmolLM2's [49152, 576]
     embedding out of its column-major entry layout first (113 MB, every check), and
     Llama-3.1-8B's [4096, 128256] head whole (2.1 GB). Without the rows, from the head."""
-    rows = heads.get("vocab_rows")
+    rows = heads.vocab_rows
     if rows is not None:
         w = jnp.take(rows, pos, axis=0)  # [..., k, D]
     else:
@@ -150,7 +150,7 @@ def _int8_first_check(params: llama.Params, heads, hn: jax.Array, cfg: ModelConf
     (0.17 with the approximate sum left as it is)."""
     za = approx_subset_logits(heads, hn, cfg)  # [..., K]
     top_a, idx = top_k(za, k)
-    cand = jnp.take(heads["vocab"], idx)
+    cand = jnp.take(heads.vocab, idx)
     ze = _score_candidates(params, heads, hn, cand, idx, cfg)  # [..., k] exact
     top, j = jax.lax.top_k(ze, k)  # k entries: sorting them is cheap
     cand = jnp.take_along_axis(cand, j, axis=-1)
@@ -187,12 +187,12 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
     hn = exit_hidden(heads, slot, h, cfg)
 
     def first_check():
-        if "vocab_rows_q" in heads:
+        if heads.vocab_rows_q is not None:
             return _int8_first_check(params, heads, hn, cfg, k)
-        if "vocab" in heads:
-            z = unembed_rows(params, hn, heads["vocab"], cfg, heads.get("vocab_rows"))
+        if heads.vocab is not None:
+            z = unembed_rows(params, hn, heads.vocab, cfg, heads.vocab_rows)
             top, idx = top_k(z, k)
-            cand = jnp.take(heads["vocab"], idx)
+            cand = jnp.take(heads.vocab, idx)
         else:
             z = llama.unembed(params, hn, cfg)
             top, cand = top_k(z, k)
@@ -227,7 +227,7 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
 
 def decision_logit(heads, slot, feats: jax.Array) -> jax.Array:
     """The exit's decision MLP before the sigmoid: feats [..., F] -> [...]."""
-    d = at_slot(heads["decision"], slot)
+    d = at_slot(heads.decision, slot)
     hid = jnp.tanh(feats @ d["w1"] + d["b1"])
     return hid @ d["w2"] + d["b2"]
 

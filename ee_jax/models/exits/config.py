@@ -40,7 +40,7 @@ def rides_along(backfill: str) -> bool:
 
 def uses_maps(backfill: str) -> bool:
     """Whether the K/V of skipped layers nobody runs are corrected by the fitted maps
-    (`ee_jax.models.exits.backfill_maps`, heads["backfill"])."""
+    (`ee_jax.models.exits.backfill_maps`, ExitHeads.backfill)."""
     return backfill in ("learned", "deferred_learned")
 
 # The policy shipped heads are served with (LLM and the CLI alike), whatever policy they were
@@ -77,7 +77,7 @@ class ExitConfig:
     costs about what it costs over eight (weight reads dominate), so the serving runner
     does not compact there at all (`model_runner.compaction_pays`).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
-    vocab_subset: K > 0 — exit heads score only the K token ids in `heads["vocab"]` (logits of
+    vocab_subset: K > 0 — exit heads score only the K token ids in `ExitHeads.vocab` (logits of
     every other id are MASKED); 0 — the whole vocabulary.
     candidates: measure "candidates" only — how many of the first check's top tokens later
     checks score.
@@ -94,7 +94,7 @@ class ExitConfig:
     reference design's fill): the projected K/V, for good; on SmolLM2 they cost later tokens
     3-12x more agreement with full depth (docs/benchmarks.md). "learned": propagate's cost
     (the skipped layers are never run) with fitted maps correcting the projected K/V towards
-    full depth's (`ee_jax.models.exits.backfill_maps`; the heads carry them as heads["backfill"]).
+    full depth's (`ee_jax.models.exits.backfill_maps`; the heads carry them as ExitHeads.backfill).
     "deferred_learned": deferred's exact ride-along where the next step runs the layers, the
     learned K/V (not the projected ones) for the layers it does not: deferred's cost with
     agreement at least deferred's (on accelerators, where the second query rides on weights
@@ -150,7 +150,7 @@ class ExitConfig:
     # attention, m, and adds an MLP of its own, m + mlp_branch(rms(m)) (EE-LLM's exit MLP:
     # the layer's MLP is its trunk). exit_norm False: the exit's state goes to the output
     # unnormed (EE-LLM without --use-exit-norm). exit_output: each exit has its own output
-    # matrix, heads["output"] [E, V, D], instead of the model's LM head. temperatures: one per
+    # matrix, ExitHeads.output [E, V, D], instead of the model's LM head. temperatures: one per
     # exit, each exit's logits divided by it (what its training calibrated; () is 1).
     exit_norm: bool = True
     exit_output: bool = False  # each exit its own output matrix (above)

@@ -1,7 +1,7 @@
 """Exit-head parameters and the exit heads' logits, as pure functions.
 
-Exit heads live in their own params tree, stacked on a leading exit axis in the order of
-`ExitConfig.exit_layers`:
+Exit heads live in their own params tree (`ExitHeads`), stacked on a leading exit axis in the
+order of `ExitConfig.exit_layers`:
 
     norm        [E, D]        per-exit RMSNorm weight (EE-LLM's default head; no training needed)
     adapter/    down [E, D, r], up [E, r, D]     (head "adapter": residual low-rank adapter)
@@ -14,13 +14,13 @@ Exit heads live in their own params tree, stacked on a leading exit axis in the 
                                                  the layer's state after attention)
     output      [E, V, D]                        (exit_output: each exit's own output matrix)
 
-`norm` is absent when `ExitConfig.exit_norm` is False (the exit's state goes to its output
-unnormed).
+A part the config does not use is None (`head_shapes` says which); `norm` is None when
+`ExitConfig.exit_norm` is False (the exit's state goes to its output unnormed).
 
 Every head but an `exit_output` one ends in the model's own LM head (`llama.unembed`), so
 an exit adds no vocabulary matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder
 layers, so a *vocabulary subset* keeps it off the path: an exit head may score only K
-frequent token ids (the rows of the LM head at `heads["vocab"]`); a token outside the subset
+frequent token ids (the rows of the LM head at `ExitHeads.vocab`); a token outside the subset
 can only come from full depth. The exit head runs in full once, at the exit taken
 (`row_exit_logits`).
 """
@@ -28,6 +28,7 @@ can only come from full depth. The exit head runs in full once, at the exit take
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,7 +50,59 @@ from ee_jax.models.quant import out_major_matmul
 MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
 
 
-def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExitHeads:
+    """Every exit's head parameters (shapes: the module docstring). A field is None where the
+    ExitConfig has no such part; `check_heads` holds the present ones to the config's shapes
+    once, where heads are loaded or built (`as_heads`), and the step reads them as they are."""
+
+    norm: jax.Array | None = None  # [E, D]
+    adapter: dict | None = None  # down [E, D, r], up [E, r, D]
+    mlp: dict | None = None  # down [E, D, r], up [E, r, D]
+    classifier: dict | None = None  # w [E, D] f32, b [E] f32
+    vocab: jax.Array | None = None  # [K] int32
+    decision: dict | None = None  # w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E] (f32)
+    branch: dict | None = None  # norm [E, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]
+    output: jax.Array | None = None  # [E, V, D]
+    # learned back-fill maps (`backfill_maps`): beside the heads, saved in their own file
+    backfill: dict | None = None
+    # derived from the LM head for serving (`with_vocab_rows`), never saved
+    vocab_rows: jax.Array | None = None  # [K, D]
+    vocab_rows_q: jax.Array | None = None  # [K, D] int8
+    vocab_rows_scale: jax.Array | None = None  # [K] f32
+
+    def replace(self, **parts) -> ExitHeads:
+        return dataclasses.replace(self, **parts)
+
+    def parts(self) -> dict[str, Any]:
+        """The present parts by name (what the heads' file keys its tensors by)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_parts(cls, parts: Mapping[str, Any]) -> ExitHeads:
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise ExitConfigError(f"exit heads have no part(s) {unknown}: the parts are "
+                                  f"{list(PARTS)}")
+        return cls(**parts)
+
+
+PARTS = tuple(f.name for f in dataclasses.fields(ExitHeads))
+
+
+def as_heads(heads: ExitHeads | Mapping[str, Any] | None) -> ExitHeads | None:
+    """Heads as `ExitHeads` (a mapping of part names, as a caller may hold them, converted)."""
+    if heads is None or isinstance(heads, ExitHeads):
+        return heads
+    if isinstance(heads, Mapping):
+        return ExitHeads.from_parts(heads)
+    raise ExitConfigError(f"exit heads are an ExitHeads (or a mapping of its part names), not "
+                          f"{type(heads).__name__}")
+
+
+def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> ExitHeads:
     E, D, F, dt = len(ec.exit_layers), cfg.d_model, cfg.ffn_dim, cfg.jnp_dtype
     tree: dict[str, Any] = {}
     if ec.exit_norm:
@@ -76,11 +129,11 @@ def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> dict[str, Any]:
                             "b1": jax.ShapeDtypeStruct((E, H), f32),
                             "w2": jax.ShapeDtypeStruct((E, H), f32),
                             "b2": jax.ShapeDtypeStruct((E,), f32)}
-    return tree
+    return ExitHeads(**tree)
 
 
 def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
-               key: jax.Array | None = None) -> dict[str, Any]:
+               key: jax.Array | None = None) -> ExitHeads:
     """Untrained heads: each exit's norm starts as the final norm (usable as is), the adapter
     as the identity (up = 0), the classifier as "confidence 0.5"; a branch as a copy of its
     layer's MLP and post-attention norm and an own output as a copy of the LM head (so an
@@ -115,7 +168,7 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
                    ).astype(jnp.float32),
             "b1": jnp.zeros((E, H), jnp.float32), "w2": jnp.zeros((E, H), jnp.float32),
             "b2": jnp.zeros((E,), jnp.float32)}
-    return heads
+    return ExitHeads(**heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +200,9 @@ def check_vocab_subset(ids, vocab_size: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
-                        model: str | None = None) -> dict:
-    """heads with `heads["vocab"]` set to the subset's ids, after checking that the subset
+def attach_vocab_subset(heads: ExitHeads, subset: VocabSubset, cfg: ModelConfig,
+                        model: str | None = None) -> ExitHeads:
+    """heads with `vocab` set to the subset's ids, after checking that the subset
     was counted on this model (same name when `model` is given, same vocabulary size)."""
     if subset.vocab_size != cfg.vocab_size or (model is not None and subset.model != model):
         raise ExitConfigError(
@@ -157,20 +210,20 @@ def attach_vocab_subset(heads: dict, subset: VocabSubset, cfg: ModelConfig,
             f"but the heads are for {model or 'a model'!r} ({cfg.vocab_size} tokens): count "
             f"the subset on this model's tokens")
     ids = check_vocab_subset(subset.ids, cfg.vocab_size)
-    if "vocab" in heads and np.shape(heads["vocab"]) != ids.shape:
-        raise ExitConfigError(f"the heads score {np.shape(heads['vocab'])[0]} ids, the "
+    if heads.vocab is not None and np.shape(heads.vocab) != ids.shape:
+        raise ExitConfigError(f"the heads score {np.shape(heads.vocab)[0]} ids, the "
                               f"subset holds {ids.size}: set ExitConfig.vocab_subset={ids.size}")
-    return dict(heads, vocab=jnp.asarray(ids))
+    return heads.replace(vocab=jnp.asarray(ids))
 
 
 CANDIDATE_DTYPES = ("int8",)  # `with_vocab_rows(candidate_dtype=...)`; None: exact search
-# Leaves `with_vocab_rows` derives from the model's LM head: held for serving, never saved.
-BACKFILL_MAPS = "backfill"  # learned back-fill maps beside the heads (`backfill_maps`)
+# Parts `with_vocab_rows` derives from the model's LM head: held for serving, never saved.
 DERIVED_LEAVES = ("vocab_rows", "vocab_rows_q", "vocab_rows_scale")
+NOT_DERIVED = {k: None for k in DERIVED_LEAVES}
 
 
-def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
-                    candidate_dtype: str | None = "int8") -> dict:
+def with_vocab_rows(params: llama.Params, heads: ExitHeads, cfg: ModelConfig,
+                    candidate_dtype: str | None = "int8") -> ExitHeads:
     """heads plus `vocab_rows` [K, D]: the LM head's rows at the subset's ids, gathered once;
     with candidate_dtype "int8" (the default) also `vocab_rows_q` [K, D] int8 and
     `vocab_rows_scale` [K] f32, the same rows quantized for the first check's candidate search
@@ -188,23 +241,20 @@ def with_vocab_rows(params: llama.Params, heads: dict, cfg: ModelConfig,
     if candidate_dtype is not None and candidate_dtype not in CANDIDATE_DTYPES:
         raise ExitConfigError(f"candidate_dtype={candidate_dtype!r}: expected one of "
                               f"{CANDIDATE_DTYPES} or None (search the f32 rows)")
-    if "vocab" not in heads:
+    if heads.vocab is None:
         return heads
-    heads = {k: v for k, v in heads.items() if k not in DERIVED_LEAVES}
-    ids = jnp.asarray(heads["vocab"])
+    ids = jnp.asarray(heads.vocab)
     rows = llama.head_rows(params, ids, cfg)
     if candidate_dtype is None:
-        return dict(heads, vocab_rows=rows)
+        return heads.replace(**dict(NOT_DERIVED, vocab_rows=rows))
     q, scale = quantize_rows(rows)
-    return dict(heads, vocab_rows=rows, vocab_rows_q=q, vocab_rows_scale=scale)
+    return heads.replace(vocab_rows=rows, vocab_rows_q=q, vocab_rows_scale=scale)
 
 
-def without_derived(heads):
-    """heads without the leaves `with_vocab_rows` derives and without the back-fill maps
-    (what the heads' orbax checkpoint holds; the maps have their own file)."""
-    if not isinstance(heads, dict):
-        return heads
-    return {k: v for k, v in heads.items() if k not in (*DERIVED_LEAVES, BACKFILL_MAPS)}
+def without_derived(heads: ExitHeads) -> ExitHeads:
+    """heads without the parts `with_vocab_rows` derives and without the back-fill maps
+    (what the heads' file holds; the maps have their own file)."""
+    return heads.replace(**NOT_DERIVED, backfill=None)
 
 
 @jax.jit
@@ -218,32 +268,39 @@ def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def check_heads(cfg: ModelConfig, ec: ExitConfig, heads) -> None:
-    """Raise ExitConfigError unless `heads` has exactly the shapes this config needs (plus,
-    optionally, the derived leaves of `with_vocab_rows` and learned back-fill maps under
-    "backfill", which back-fill "learned" requires; `backfill_maps.check_maps`)."""
-    if isinstance(heads, dict) and BACKFILL_MAPS in heads:
-        backfill_maps.check_maps(cfg, ec.exit_layers, heads[BACKFILL_MAPS])
-        heads = {k: v for k, v in heads.items() if k != BACKFILL_MAPS}
+def check_heads(cfg: ModelConfig, ec: ExitConfig, heads: ExitHeads | Mapping[str, Any]
+                ) -> ExitHeads:
+    """`heads` as ExitHeads (`as_heads`), or ExitConfigError unless they have exactly the
+    shapes this config needs (plus, optionally, the derived parts of `with_vocab_rows` and
+    learned back-fill maps, which back-fill "learned" requires; `backfill_maps.check_maps`)."""
+    heads = as_heads(heads)
+    if heads is None:
+        raise ExitConfigError("exit heads are needed for this ExitConfig: pass exit_heads "
+                              "(init_heads for untrained ones, load_exit_heads for saved ones)")
+    if heads.backfill is not None:
+        backfill_maps.check_maps(cfg, ec.exit_layers, heads.backfill)
     elif uses_maps(ec.backfill):
         raise ExitConfigError("back-fill 'learned' needs fitted maps beside the heads "
-                              "(heads['backfill'], saved as backfill_maps.safetensors by ee-jax "
-                              "tune): fit them, or serve back-fill 'propagate' or 'deferred'")
+                              "(ExitHeads.backfill, saved as backfill_maps.safetensors by "
+                              "ee-jax tune): fit them, or serve back-fill 'propagate' or "
+                              "'deferred'")
     want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in
             jax.tree_util.tree_leaves_with_path(head_shapes(cfg, ec))}
-    derived = {"vocab_rows": (ec.vocab_subset, cfg.d_model),
-               "vocab_rows_q": (ec.vocab_subset, cfg.d_model),
-               "vocab_rows_scale": (ec.vocab_subset,)}
-    if ec.vocab_subset and isinstance(heads, dict):
-        want.update({f"['{k}']": shape for k, shape in derived.items() if k in heads})
+    derived = ExitHeads(vocab_rows=(ec.vocab_subset, cfg.d_model),
+                        vocab_rows_q=(ec.vocab_subset, cfg.d_model),
+                        vocab_rows_scale=(ec.vocab_subset,))
+    if ec.vocab_subset:
+        want.update({f".{k}": getattr(derived, k) for k in DERIVED_LEAVES
+                     if getattr(heads, k) is not None})
     got = {jax.tree_util.keystr(p): tuple(np.shape(a)) for p, a in
-           jax.tree_util.tree_leaves_with_path(heads)}
+           jax.tree_util.tree_leaves_with_path(heads.replace(backfill=None))}
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))
         raise ExitConfigError(
             f"exit heads do not match exit_layers={ec.exit_layers}, head={ec.head!r}, "
             f"measure={ec.measure!r} on a d_model={cfg.d_model} model: differing leaves "
             f"(name, shape): {diff}")
+    return heads
 
 
 def at_slot(tree, slot):
@@ -256,23 +313,23 @@ def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfi
     """The state exit `slot` reads: h, the layer's output, or under head "branch" the layer's
     state after attention `mid` plus the exit's own MLP on it (EE-LLM's exit MLP; h, the
     trunk's output, is then not read). h, mid: [..., D]."""
-    if "branch" not in heads:
+    if heads.branch is None:
         return h
     if mid is None:
         raise ValueError("a branch exit reads its layer's state after attention: pass mid")
-    b = at_slot(heads["branch"], slot)
+    b = at_slot(heads.branch, slot)
     return mid + llama.mlp(b, llama.norm(mid, b["norm"], cfg), cfg)
 
 
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head (or
     the exit's own output). h: what the exit reads (`exit_input`)."""
-    hn = llama.norm(h, at_slot(heads["norm"], slot), cfg) if "norm" in heads else h
-    if "adapter" in heads:
-        ad = at_slot(heads["adapter"], slot)
+    hn = llama.norm(h, at_slot(heads.norm, slot), cfg) if heads.norm is not None else h
+    if heads.adapter is not None:
+        ad = at_slot(heads.adapter, slot)
         hn = hn + (hn @ ad["down"]) @ ad["up"]
-    if "mlp" in heads:
-        ad = at_slot(heads["mlp"], slot)
+    if heads.mlp is not None:
+        ad = at_slot(heads.mlp, slot)
         hn = hn + jax.nn.silu(hn @ ad["down"]) @ ad["up"]
     return hn
 
@@ -303,7 +360,7 @@ def approx_subset_logits(heads, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
     rounding remains. Why not the weights converted to f32 inside the product: XLA CPU writes
     the converted [K, D] f32 array first (no faster than the f32 rows); and a single-row int8
     product runs as a slow loop, so batch 1 needs the second (lo) row anyway."""
-    q, scale = heads["vocab_rows_q"], heads["vocab_rows_scale"]  # [K, D] int8, [K] f32
+    q, scale = heads.vocab_rows_q, heads.vocab_rows_scale  # [K, D] int8, [K] f32
     lead, d = xn.shape[:-1], xn.shape[-1]
     x = xn.reshape(-1, d).astype(jnp.float32)
     n = x.shape[0]
@@ -327,7 +384,7 @@ def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
 
 def _own_output(heads, slot, hn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Exit `slot`'s own output matrix on hn [..., D] -> [..., V] f32."""
-    w = jax.lax.dynamic_index_in_dim(heads["output"], slot, keepdims=False)  # [V, D]
+    w = jax.lax.dynamic_index_in_dim(heads.output, slot, keepdims=False)  # [V, D]
     return llama.cap_logits(out_major_matmul(hn, w, preferred_element_type=jnp.float32), cfg)
 
 
@@ -342,11 +399,10 @@ def exit_logits(params: llama.Params, heads, slot, h: jax.Array, cfg: ModelConfi
     (`exit_input`); with a vocabulary subset only its ids are scored (the rest are MASKED).
     temperatures: `ExitConfig.temperatures`."""
     hn = exit_hidden(heads, slot, h, cfg)
-    if "vocab" in heads:
-        return scatter_vocab(unembed_rows(params, hn, heads["vocab"], cfg,
-                                          heads.get("vocab_rows")),
-                             heads["vocab"], cfg.vocab_size)
-    if "output" in heads:
+    if heads.vocab is not None:
+        return scatter_vocab(unembed_rows(params, hn, heads.vocab, cfg, heads.vocab_rows),
+                             heads.vocab, cfg.vocab_size)
+    if heads.output is not None:
         return _own_output(heads, slot, hn, cfg) / temperature_at(temperatures, slot)
     return llama.unembed(params, hn, cfg) / temperature_at(temperatures, slot)
 
@@ -370,21 +426,21 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
         return logits / jnp.where(left, temperature_at(temperatures, jnp.maximum(slots, 0)),
                                   1.0)[:, None]
 
-    if "output" in heads:  # an exit's own output: one product for each exit some row took
+    if heads.output is not None:  # an exit's own output: one product for each exit some row took
         out = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
                            lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
-        for e in range(heads["output"].shape[0]):
+        for e in range(heads.output.shape[0]):
             at_e = slots == e
             out = jax.lax.cond(
                 jnp.any(at_e),
                 lambda o, e=e, at_e=at_e: jnp.where(at_e[:, None], _own_output(heads, e, hn, cfg),
                                                     o), lambda o: o, out)
         return tempered(out)
-    if "vocab" not in heads:
+    if heads.vocab is None:
         return tempered(llama.unembed(params, jnp.where(left[:, None], hn, final_h), cfg))
-    ids = heads["vocab"]  # [K]
+    ids = heads.vocab  # [K]
     sub = jax.lax.cond(jnp.any(left),
-                       lambda: unembed_rows(params, hn, ids, cfg, heads.get("vocab_rows")),
+                       lambda: unembed_rows(params, hn, ids, cfg, heads.vocab_rows),
                        lambda: jnp.zeros((h.shape[0], ids.shape[0]), jnp.float32))
     full = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
                         lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))

@@ -55,6 +55,7 @@ import numpy as np
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig
 from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.exits.heads import ExitHeads
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -557,5 +558,5 @@ def _exit_heads(stages: list[_Stage], exits: list[tuple[int, int]], all_nums: li
                            for k in branches[0]}
     if outputs:  # output-major [V, D], as the tied head
         heads["output"] = _to_device(outputs, False, target)
-    return heads
+    return ExitHeads(**heads)
 

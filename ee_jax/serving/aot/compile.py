@@ -534,8 +534,8 @@ class Plan:
         params = abstract_params(cfg, self.blocks)
         heads = None if ec is None else exit_heads.head_shapes(cfg, ec)
         if ec is not None and uses_maps(ec.backfill):
-            heads = dict(heads, backfill=backfill_maps.map_shapes(cfg, ec.exit_layers,
-                                                                  self.maps_rank))
+            heads = heads.replace(backfill=backfill_maps.map_shapes(cfg, ec.exit_layers,
+                                                                    self.maps_rank))
         kv = jax.ShapeDtypeStruct(plan.kv_shape, jnp.dtype(plan.kv_dtype),
                                   sharding=None if mesh is None else cache_sharding(cfg, mesh))
         cache = KVCache(kv, kv, plan.head_major)
