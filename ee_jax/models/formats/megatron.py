@@ -437,7 +437,7 @@ def _log(msg: str, progress: bool) -> None:
 
 def load_megatron(folder: str | Path, dtype: str = "float32", *, rope_theta: float | None = None,
                   progress: bool = True) -> tuple[ModelConfig, Params, ExitConfig | None,
-                                                   dict | None]:
+                                                   ExitHeads | None]:
     """(config, params, ExitConfig, exit heads) of an EE-LLM / EE-Tuning checkpoint folder
     (any tensor and pipeline parallel layout; shards merged); ExitConfig and heads None when
     it has no exit ee-jax can serve. Weights go to `dtype` a layer at a time."""
@@ -529,7 +529,7 @@ def load_megatron(folder: str | Path, dtype: str = "float32", *, rope_theta: flo
 
 
 def _exit_heads(stages: list[_Stage], exits: list[tuple[int, int]], all_nums: list[int],
-                ec: ExitConfig, cfg: ModelConfig, target) -> dict:
+                ec: ExitConfig, cfg: ModelConfig, target) -> ExitHeads:
     """Each exit's parts from the stage holding its layer, stacked in exit order. all_nums:
     every exit's Megatron layer number (a stage numbers its exit outputs over all of its own,
     served or not)."""
