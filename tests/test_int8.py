@@ -243,11 +243,16 @@ def test_int4_is_q4_1_blocks_served_exactly_within_the_stated_tolerance():
     ref, out = (llama.forward(p, toks, CFG4) for p in (PARAMS4, deq))
     assert float(jnp.max(jnp.abs(out - ref)) / jnp.std(ref)) <= 1.0
     assert float(jnp.mean(jnp.argmax(out, -1) == jnp.argmax(ref, -1))) >= 0.7
-    eng = LLMEngine(CFG4, model.params, None, EngineConfig.make(
-        max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(1, 2)))
     prompts = [[5, 9, 17, 3], [44, 2, 8]]
-    outs = run_requests(eng, prompts, greedy(8))
-    assert [o.token_ids for o in outs] == [dense_greedy(CFG4, deq, p, 8) for p in prompts]
+    want = [dense_greedy(CFG4, deq, p, 8) for p in prompts]
+    # and sharded over tp=2 (conftest asks XLA for 8 devices), still in its blocks
+    for mesh in (None, "tp=2") if len(jax.devices()) >= 2 else (None,):
+        eng = LLMEngine(CFG4, model.params, None, EngineConfig.make(
+            max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(1, 2),
+            mesh=mesh))
+        assert isinstance(eng.runner.params["layers"]["w_up"], quant.BlockQ)
+        outs = run_requests(eng, prompts, greedy(8))
+        assert [o.token_ids for o in outs] == want, mesh
 
 
 def test_int4_names_a_weight_it_cannot_block():

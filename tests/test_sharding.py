@@ -123,10 +123,12 @@ def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
     assert all(s is None for s in sh.norm.spec)  # [E, D]: replicated
 
 
-def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path):
-    """A GGUF's block weights (`quant.BlockQ`) on a mesh: the runner dequantizes them before
-    sharding; greedy tokens equal one device serving the blocks and the dense reference on
-    the dequantized weights."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_block_weights_serve_sharded_in_their_blocks(tmp_path, qtype):
+    """A GGUF's block weights (`quant.BlockQ`) on a tp=2 mesh stay blocks, each field split
+    as the weight it stands for (column-parallel weights by output rows, row-parallel ones by
+    input blocks: each device holds half the bytes); greedy tokens equal one device serving
+    the blocks and the dense reference on the dequantized weights."""
     import gguf
 
     from ee_jax.models import quant
@@ -134,7 +136,8 @@ def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path)
     from tests.test_loaders import gguf_tiny_model, write_tiny_gguf
 
     cfg, params = gguf_tiny_model(eos_token_ids=())
-    path = write_tiny_gguf(tmp_path / "q8.gguf", cfg, params, gguf.GGMLQuantizationType.Q8_0)
+    path = write_tiny_gguf(tmp_path / f"{qtype}.gguf", cfg, params,
+                           gguf.GGMLQuantizationType[qtype])
     cfg, blocked = load_gguf(path, blocks=True)
     assert quant.has_blocks(blocked)
     dense = quant.dequantize_params(blocked)
@@ -145,7 +148,14 @@ def test_gguf_block_weights_serve_sharded_as_their_dequantized_weights(tmp_path)
             max_num_seqs=2, max_model_len=64, page_size=4, num_pages=40, max_prefill_chunk=16,
             batch_buckets=(1, 2), mesh=mesh))
         runs[mesh] = [o.token_ids for o in run_requests(engine, prompts, greedy(NEW))]
-        assert quant.has_blocks(engine.runner.params) == (mesh is None)
+        layers = engine.runner.params["layers"]
+        assert all(isinstance(layers[k], quant.BlockQ) for k in quant.QUANTIZED_KEYS)
+        if mesh is not None:  # [L, out, in-bytes]: wq split by output rows, wo by inputs
+            for key, axis in (("wq", 1), ("w_up", 1), ("wo", 2), ("w_down", 2)):
+                w = layers[key]
+                for a in (w.q_t, w.scale_t):
+                    shard = a.addressable_shards[0].data.shape
+                    assert shard[axis] * 2 == a.shape[axis], (key, a.shape, shard)
     assert runs["tp=2"] == runs[None] == [dense_greedy(cfg, dense, p, NEW) for p in prompts]
 
 

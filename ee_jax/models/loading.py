@@ -71,8 +71,8 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     blocks (GGUF, the default): layer weights stored as Q4_0/Q4_1/Q8_0 stay in the file's
     blocks (`quant.BlockQ`): bit-identical weights at the file's own size (Q4 one value a
     byte on CPU, `quant.for_platform`), dequantized inside each step, so decoding reads less
-    memory. blocks=False, an int8 `quantize` or a
-    placement: every weight dequantized to `dtype` on the host.
+    memory; under a mesh the engine shards the blocks as it shards the weights they stand
+    for. blocks=False or an int8 `quantize`: every weight dequantized to `dtype` on the host.
     tokenizer: a tokenizer.json (or a folder holding one, its chat template beside it) to use
     instead of the model's own; a Megatron checkpoint holds none, so it needs one to serve
     text."""
@@ -81,7 +81,6 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     kind, path = registry.resolve_model(name_or_path)
     if progress:
         print(f"[ee-jax] loading {name_or_path} ({kind}: {path})", file=sys.stderr)
-    sharded = placement is not None
     exits = None
     if kind == "megatron":
         cfg, params, ec, heads = load_megatron(path, dtype=dtype, progress=progress)
@@ -89,8 +88,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
     else:
         cfg, params = registry.load_params(name_or_path, dtype=dtype,
                                            placement=None if quantize else placement,
-                                           blocks=blocks and quantize in (None, "int4")
-                                           and not sharded)
+                                           blocks=blocks and quantize in (None, "int4"))
     params = quant.quantize_params(params, quantize, consume=True,  # a leaf at a time
                                    block_quantize=gguf.block_quantize)
     # block weights as this machine's steps read them best (CPU: one value a byte)

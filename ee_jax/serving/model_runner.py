@@ -491,8 +491,6 @@ class ModelRunner:
         self.params, self.exit_heads = params, exit_heads
         cache_format = None
         if mesh is not None:  # shardings from the logical-axis table (ee_jax.serving.sharding)
-            params = quant.dequantize_params(params, cfg.jnp_dtype) \
-                if quant.has_blocks(params) else params  # GGUF blocks: not sharded as such
             self.params = _place(params, sharding.param_shardings(params, cfg, mesh))
             if exit_heads is not None:
                 self.exit_heads = _place(

@@ -135,6 +135,13 @@ def spec_for(axes: tuple[str | None, ...], ndim: int, rules: dict[str, str | Non
     return PartitionSpec(*([None] * (ndim - len(trailing)) + trailing))
 
 
+# A GGUF block weight's fields (`quant.BlockQ`) are output-major, [..., out, in] (the input
+# axis counted in bytes or blocks): a layer weight's axes swapped. A block *table* (the
+# embedding, [V, D]) is the array it stands for, its axes as declared.
+_BLOCK_FIELDS = ("q_t", "scale_t", "offset_t")
+_TABLES = ("embed",)
+
+
 def _leaf_axes(path) -> tuple[str | None, ...]:
     """Logical axes of a param leaf from its tree path (the innermost known name wins;
     a quantized weight's `scale` has the weight's axes without the input axis)."""
@@ -142,6 +149,8 @@ def _leaf_axes(path) -> tuple[str | None, ...]:
     for i in range(len(names) - 1, -1, -1):
         if names[i] in PARAM_AXES:
             axes = PARAM_AXES[names[i]]
+            if names[-1] in _BLOCK_FIELDS:
+                return axes if names[i] in _TABLES else axes[::-1]
             return axes[1:] if names[-1] == "scale" and len(axes) > 1 else axes
     return ()
 
