@@ -195,6 +195,37 @@ def test_verified_exits_serve_full_depths_tokens(request, fixture):
     assert llm.engine.stats.num_drafted > 0
 
 
+def test_served_calibration_of_the_checkpoints_exits(untied, tmp_path):
+    """`ee-jax calibrate --served` on a converted checkpoint's own exits (branch MLP, own
+    outputs, max_prob): at threshold 1.0 no token leaves (no error, every layer run), at 0.0
+    every decoded token leaves at the first exit; the shipped pick is what loads."""
+    from ee_jax.models.convert import convert
+    from ee_jax.models.exits.checkpoint import load_exit_heads
+    from ee_jax.models.loading import EXIT_HEADS_DIR
+    from ee_jax.training import calibrate
+    from ee_jax.training.tune import served_tables
+
+    _, folder, _ = untied
+    convert(folder, tmp_path / "conv", progress=False)
+    lm = load_model(str(tmp_path / "conv"), progress=False)
+    ec, heads = lm.shipped_exit_heads()
+    full = LLM(lm, early_exit=False, max_num_seqs=2, max_model_len=64, page_size=8,
+               progress=False)  # the answers: full depth's own
+    outs = full.generate(PROMPTS, greedy(6), use_tqdm=False)
+    answers = {g: [(ids, o.token_ids) for ids, o in zip(PROMPTS, outs, strict=True)]
+               for g in ("instructions", "code")}
+    tables = served_tables(lm, ec, heads, answers, (1.0, 0.0), batch=4, progress=False)
+    decoded = sum(len(a) - 1 for _, a in answers["code"])  # the first token is prefill's
+    for t in tables.values():
+        assert t.thresholds == (1.0, 0.0) and t.n == decoded
+        assert t.errors[0] == 0 and t.mean_layers[0] == lm.config.n_layers
+        assert t.mean_layers[1] == ec.exit_layers[0]
+    cal = calibrate.served_calibration(tables, 0.5, 0.5, command="test")
+    calibrate.ship_calibration(tmp_path / "conv" / EXIT_HEADS_DIR, cal)
+    ec2, _ = load_exit_heads(tmp_path / "conv" / EXIT_HEADS_DIR, lm.config)
+    assert ec2.threshold == cal["threshold"] in (1.0, 0.0)
+
+
 class _WritesAFile:
     """A pickle that would run code on load (writes a marker file)."""
 
