@@ -98,45 +98,73 @@ def replay(cm, ec, seqs: list[list[int]], batch: int) -> float:
 
 def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]:
     """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
-    threshold and the best threshold of a grid, per max_draft."""
+    threshold and the best threshold of a grid, per max_draft; then draft rules fitted on the
+    even answers and scored on the odd ones (held apart): one threshold, a threshold per exit
+    (coordinate ascent), and a threshold to start a run beside one to extend it."""
     from ee_jax.models.exits import cost as exit_cost
 
     threshold = ec.threshold
+    tokens = agree.shape[1]
+    at = np.arange(tokens)
 
-    def ceiling(lay, ok, d):
+    def ceiling(rule, d, rows=None):
+        (lay, ok), in_run = rule if isinstance(rule[0], tuple) else (rule, None)
         total = cost_tokens = 0.0
         acc = drafts = 0
-        for r in range(n):
+        for r in range(n) if rows is None else rows:
             sel = row_of == r
             if not sel.any():
                 continue
-            sp, a, k = exit_cost.verified_sequence_speedup(cm, ec.verified(d), lay[sel].tolist(),
-                                                           ok[sel].tolist())
+            run = None if in_run is None else (in_run[0][sel].tolist(), in_run[1][sel].tolist())
+            sp, a, k = exit_cost.verified_sequence_speedup(
+                cm, ec.verified(d), lay[sel].tolist(), ok[sel].tolist(), in_run=run)
             total += sel.sum() / sp  # cost in full-depth tokens
             cost_tokens += sel.sum()
             acc += a * k if k else 0
             drafts += k
         return cost_tokens / total, (acc / drafts if drafts else float("nan")), drafts
 
-    def rule(t):
-        lay, slot = first_exit(conf, t, E, L)
-        ok = (slot >= 0) & agree[np.maximum(slot, 0), np.arange(agree.shape[1])]
-        return lay, ok
+    def rule(t):  # t: one threshold, or one an exit ([E])
+        hit = conf >= np.reshape(t, (-1, 1))
+        slot = np.where(hit.any(0), np.argmax(hit, 0), -1)
+        lay = np.where(slot >= 0, E[slot], L)
+        return lay, (slot >= 0) & agree[np.maximum(slot, 0), at]
 
     oracle = np.where(agree.any(0), E[np.argmax(agree, 0)], L)
     grid = np.unique(np.concatenate([np.linspace(0.1, 0.99, 90), 1 - np.logspace(-2, -4, 12)]))
+    coarse = np.unique(np.concatenate([np.linspace(0.6, 0.99, 14), [0.995, 1.01]]))
+    fit, held = range(0, n, 2), range(1, n, 2)
     out = []
-    tokens = agree.shape[1]
     for d in max_drafts:
-        sp, a, k = ceiling(oracle, np.ones(tokens, bool), d)
+        sp, a, k = ceiling((oracle, np.ones(tokens, bool)), d)
         out.append(f"oracle | - | {d} | {k / tokens:.2f} | {a:.3f} | {sp:.2f}x")
-        lay, ok = rule(threshold)
-        sp, a, k = ceiling(lay, ok, d)
+        sp, a, k = ceiling(rule(threshold), d)
         out.append(f"heads' threshold | {threshold:.3f} | {d} | {k / tokens:.2f} | {a:.3f} | "
                    f"{sp:.2f}x")
-        best = max(((ceiling(*rule(t), d), t) for t in grid), key=lambda x: x[0][0])
+        best = max(((ceiling(rule(t), d), t) for t in grid), key=lambda x: x[0][0])
         (sp, a, k), t = best
         out.append(f"best threshold | {t:.3f} | {d} | {k / tokens:.2f} | {a:.3f} | {sp:.2f}x")
+        # fitted on the even answers, scored on the odd ones
+        t1 = max(coarse, key=lambda t: ceiling(rule(t), d, fit)[0])
+        sp, a, k = ceiling(rule(t1), d, held)
+        n_held = int(np.isin(row_of, list(held)).sum())
+        out.append(f"one threshold, held out | {t1:.3f} | {d} | {k / n_held:.2f} | {a:.3f} | "
+                   f"{sp:.2f}x")
+        tv = np.full(len(E), t1)
+        for _ in range(2):  # coordinate ascent over the exits
+            for e in range(len(E)):
+                def score(x, e=e):
+                    return ceiling(rule(np.where(np.arange(len(E)) == e, x, tv)), d, fit)[0]
+                tv[e] = max(coarse, key=score)
+        sp, a, k = ceiling(rule(tv), d, held)
+        per = " ".join(f"{int(E[e])}:{'-' if x > 1 else f'{x:.2f}'}" for e, x in enumerate(tv))
+        out.append(f"a threshold per exit, held out | {per} | {d} | {k / n_held:.2f} | {a:.3f} "
+                   f"| {sp:.2f}x")
+        pairs = [(ts, tr) for ts in coarse for tr in coarse]
+        ts, tr = max(pairs, key=lambda p: ceiling((rule(p[0]), rule(p[1])), d, fit)[0])
+        sp, a, k = ceiling((rule(ts), rule(tr)), d, held)
+        out.append(f"start / extend a run, held out | {ts:.3f} / {tr:.3f} | {d} | "
+                   f"{k / n_held:.2f} | {a:.3f} | {sp:.2f}x")
     for r in out:
         log("verified: " + r)
     return out

@@ -381,6 +381,12 @@ def test_verified_costs_count_drafts_verifies_and_thrown_work():
     speed, acceptance, drafted = verified_sequence_speedup(cm, ec, exits, agrees)
     assert (drafted, acceptance) == (3, pytest.approx(2 / 3))
     assert speed == pytest.approx(5 * 6 / (3 * 2.7 + 3 * 6.3))
+    # a second rule for extending a run that never drafts: runs of one; t0 drafts and is
+    # kept (emits t0, t1), t2 drafts and is kept (t2, t3), t4 alone: 2 drafts, 3 verifies
+    speed, acceptance, drafted = verified_sequence_speedup(
+        cm, ec, exits, agrees, in_run=([4] * 5, [False] * 5))
+    assert (drafted, acceptance) == (2, 1.0)
+    assert speed == pytest.approx(5 * 6 / (2 * 2.7 + 3 * 6.3))
 
 
 def test_controller_decides_verified_exits_from_the_steps_it_saw(dense):

@@ -445,7 +445,8 @@ def verified_steps_speedup(cm: CostModel, ec: ExitConfig, steps, batch: int, reg
 
 def verified_sequence_speedup(cm: CostModel, ec: ExitConfig, exits: Sequence[int],
                               agrees: Sequence[bool], regime: Regime = "memory",
-                              ride: float = 0.0) -> tuple[float, float, int]:
+                              ride: float = 0.0, in_run: tuple[Sequence[int], Sequence[bool]]
+                              | None = None) -> tuple[float, float, int]:
     """Full depth over verified exits for one answer decoded at batch 1: position t's token
     would leave at exits[t] (L: not confident) and its draft there equals full depth's token
     where agrees[t]. A run drafts while tokens leave (at most `ec.max_draft`), each draft
@@ -453,24 +454,32 @@ def verified_sequence_speedup(cm: CostModel, ec: ExitConfig, exits: Sequence[int
     deep), then a verify step runs the next position at full depth with the run riding;
     it keeps the leading agreeing drafts and emits the full model's token after them;
     decoding goes on after what it emitted. Drafts after a rejected one are paid (their
-    decisions taken as teacher-forced ones: an approximation). Returns (speed-up,
-    acceptance, drafts)."""
+    decisions taken as teacher-forced ones: an approximation). in_run: (exits, agrees) of
+    a second draft rule for a position that would extend a run (a rule that reads whether
+    the row is drafting); the first rule then starts runs. Returns (speed-up, acceptance,
+    drafts)."""
     ec = _verifying(ec)
     L = cm.n_layers
     n = len(exits)
+    run_exits, run_agrees = in_run if in_run is not None else (exits, agrees)
     i = 0
     cost = 0.0
     drafted = accepted = 0
     while i < n:
         run: list[int] = []  # the depths of the run's drafts
-        while len(run) < ec.max_draft and i + len(run) < n - 1 and exits[i + len(run)] < L:
-            e = int(exits[i + len(run)])
-            cost += step_cost(cm, ec, [e], [run], regime, ride)
-            run = [max(d, e) for d in run] + [e]
+        ok: list[bool] = []  # whether each draft equals full depth's token
+        while len(run) < ec.max_draft and i + len(run) < n - 1:
+            j = i + len(run)
+            e, good = (run_exits[j], run_agrees[j]) if run else (exits[j], agrees[j])
+            if e >= L:
+                break
+            cost += step_cost(cm, ec, [int(e)], [run], regime, ride)
+            run = [max(d, int(e)) for d in run] + [int(e)]
+            ok.append(bool(good))
         cost += step_cost(cm, ec, [L], [run], regime, ride)  # the verify step
         k = len(run)
         a = 0
-        while a < k and agrees[i + a]:
+        while a < k and ok[a]:
             a += 1
         drafted += k
         accepted += a
