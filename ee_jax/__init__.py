@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and readers
     from ee_jax.errors import EEJaxError, ModelLoadError, UnsupportedModelError
     from ee_jax.models.config import ModelConfig, RopeScaling
     from ee_jax.models.exits.config import ExitConfig
+    from ee_jax.models.exits.heads import ExitHeads
     from ee_jax.models.loading import LoadedModel, load_model
     from ee_jax.serving.engine import LLMEngine
     from ee_jax.serving.llm import LLM
@@ -25,6 +26,7 @@ _EXPORTS = {
     "EEJaxError": "ee_jax.errors",
     "EngineConfig": "ee_jax.serving.plan",
     "ExitConfig": "ee_jax.models.exits.config",
+    "ExitHeads": "ee_jax.models.exits.heads",
     "InvalidRequestError": "ee_jax.serving.params",
     "LLMEngine": "ee_jax.serving.engine",
     "LoadedModel": "ee_jax.models.loading",
@@ -37,9 +39,9 @@ _EXPORTS = {
     "load_model": "ee_jax.models.loading",
 }
 # _EXPORTS's names, spelt out: linters read a literal __all__
-__all__ = ["LLM", "EEJaxError", "EngineConfig", "ExitConfig", "InvalidRequestError", "LLMEngine",
-           "LoadedModel", "ModelConfig", "ModelLoadError", "RequestOutput", "RopeScaling",
-           "SamplingParams", "UnsupportedModelError", "load_model"]
+__all__ = ["LLM", "EEJaxError", "EngineConfig", "ExitConfig", "ExitHeads", "InvalidRequestError",
+           "LLMEngine", "LoadedModel", "ModelConfig", "ModelLoadError", "RequestOutput",
+           "RopeScaling", "SamplingParams", "UnsupportedModelError", "load_model"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"

@@ -111,8 +111,9 @@ def test_verified_exits_emit_full_depths_tokens(smollm2):
     ec, heads = load_exit_heads(registry.shipped_exit_heads("smollm2-135m-instruct"),
                                 smollm2.config)
     ec = dataclasses.replace(ec, threshold=0.5, policy="per_row").verified(4)
-    llm = LLM(smollm2, exit_config=ec, exit_heads=heads, max_num_seqs=4, max_model_len=512,
-              page_size=16, progress=False, exit_control=ControllerConfig(mode="exits"))
+    llm = LLM(smollm2, exit_config=ec, exit_heads=heads, max_num_seqs=2, max_model_len=512,
+              page_size=16, progress=False, exit_control=ControllerConfig(mode="exits"),
+              batch_buckets=(2,))  # the batch this test decodes: one program set to compile
     tok = smollm2.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS[:2]]
     outs = llm.generate(prompts, greedy(24, ignore_eos=True), use_tqdm=False)
