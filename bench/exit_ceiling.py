@@ -107,8 +107,8 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]
     tokens = agree.shape[1]
     at = np.arange(tokens)
 
-    def ceiling(rule, d, rows=None):
-        (lay, ok), in_run = rule if isinstance(rule[0], tuple) else (rule, None)
+    def ceiling(rule, d, rows=None, in_run=None):
+        lay, ok = rule
         total = cost_tokens = 0.0
         acc = drafts = 0
         for r in range(n) if rows is None else rows:
@@ -144,6 +144,9 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]
         best = max(((ceiling(rule(t), d), t) for t in grid), key=lambda x: x[0][0])
         (sp, a, k), t = best
         out.append(f"best threshold | {t:.3f} | {d} | {k / tokens:.2f} | {a:.3f} | {sp:.2f}x")
+        if n < 2:  # nothing to hold apart (a small --limit)
+            log("verified: one answer: the held-out rules need two")
+            continue
         # fitted on the even answers, scored on the odd ones
         t1 = max(coarse, key=lambda t: ceiling(rule(t), d, fit)[0])
         sp, a, k = ceiling(rule(t1), d, held)
@@ -161,8 +164,8 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]
         out.append(f"a threshold per exit, held out | {per} | {d} | {k / n_held:.2f} | {a:.3f} "
                    f"| {sp:.2f}x")
         pairs = [(ts, tr) for ts in coarse for tr in coarse]
-        ts, tr = max(pairs, key=lambda p: ceiling((rule(p[0]), rule(p[1])), d, fit)[0])
-        sp, a, k = ceiling((rule(ts), rule(tr)), d, held)
+        ts, tr = max(pairs, key=lambda p: ceiling(rule(p[0]), d, fit, rule(p[1]))[0])
+        sp, a, k = ceiling(rule(ts), d, held, rule(tr))
         out.append(f"start / extend a run, held out | {ts:.3f} / {tr:.3f} | {d} | "
                    f"{k / n_held:.2f} | {a:.3f} | {sp:.2f}x")
     for r in out:

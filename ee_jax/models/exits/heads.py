@@ -286,11 +286,11 @@ def check_heads(cfg: ModelConfig, ec: ExitConfig, heads: ExitHeads | Mapping[str
                               "'deferred'")
     want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in
             jax.tree_util.tree_leaves_with_path(head_shapes(cfg, ec))}
-    derived = ExitHeads(vocab_rows=(ec.vocab_subset, cfg.d_model),
-                        vocab_rows_q=(ec.vocab_subset, cfg.d_model),
-                        vocab_rows_scale=(ec.vocab_subset,))
+    derived = {"vocab_rows": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_q": (ec.vocab_subset, cfg.d_model),
+               "vocab_rows_scale": (ec.vocab_subset,)}
     if ec.vocab_subset:
-        want.update({f".{k}": getattr(derived, k) for k in DERIVED_LEAVES
+        want.update({f".{k}": shape for k, shape in derived.items()
                      if getattr(heads, k) is not None})
     got = {jax.tree_util.keystr(p): tuple(np.shape(a)) for p, a in
            jax.tree_util.tree_leaves_with_path(heads.replace(backfill=None))}
