@@ -69,7 +69,24 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(smollm2, max_num_seqs=4, max_model_len=512, page_size=16, progress=False)
+    # one batch bucket: the tests here decode 1 to 3 rows, one decode program to compile
+    return LLM(smollm2, max_num_seqs=4, max_model_len=512, page_size=16, progress=False,
+               batch_buckets=(4,))
+
+
+DENSE_NEW = 24  # tokens past the prompt the dense references decode
+
+
+@pytest.fixture(scope="module")
+def dense_refs(smollm2) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, greedy tokens) of the dense forward after CHATS[:2], past EOS: the truth
+    full depth and verified exits are both held to (each forward re-run for every token:
+    computed once for the file)."""
+    tok = smollm2.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS[:2]]
+    width = -(-(max(map(len, prompts)) + DENSE_NEW) // 16) * 16
+    return prompts, [dense_greedy(smollm2.config, smollm2.params, ids, DENSE_NEW, width=width)
+                     for ids in prompts]
 
 
 def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf, llm):
@@ -87,14 +104,13 @@ def test_engine_greedy_equals_transformers_generate(smollm2, smollm2_hf, llm):
     assert max(len(o.token_ids) for o in outs) == 32
 
 
-def test_engine_greedy_equals_dense_forward(smollm2, llm):
+def test_engine_greedy_equals_dense_forward(llm, dense_refs):
     """Past EOS too (ignore_eos), batched with a prompt of another length, against the dense
     forward (the engine against transformers: the test above)."""
-    tok = smollm2.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS[:2]]
-    outs = llm.generate(prompts, greedy(16, ignore_eos=True), use_tqdm=False)
-    for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == dense_greedy(smollm2.config, smollm2.params, ids, 16, width=64)
+    prompts, refs = dense_refs
+    outs = llm.generate(prompts, greedy(DENSE_NEW, ignore_eos=True), use_tqdm=False)
+    for ref, out in zip(refs, outs, strict=True):
+        assert out.token_ids == ref
 
 
 def test_stop_string_is_cut_from_the_text(llm):
@@ -103,7 +119,7 @@ def test_stop_string_is_cut_from_the_text(llm):
     assert out.text.startswith("The capital of France is")
 
 
-def test_verified_exits_emit_full_depths_tokens(smollm2):
+def test_verified_exits_emit_full_depths_tokens(smollm2, dense_refs):
     """The shipped heads as verified drafts (exits taken often: threshold 0.5, runs of 4),
     batch 2 of mixed lengths, 24 tokens past EOS, against the dense forward: equal, except
     where the dense forward's top two logits tie (within 1e-4: the ride-along's other
@@ -114,14 +130,12 @@ def test_verified_exits_emit_full_depths_tokens(smollm2):
     llm = LLM(smollm2, exit_config=ec, exit_heads=heads, max_num_seqs=2, max_model_len=512,
               page_size=16, progress=False, exit_control=ControllerConfig(mode="exits"),
               batch_buckets=(2,))  # the batch this test decodes: one program set to compile
-    tok = smollm2.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(c)) for c in CHATS[:2]]
-    outs = llm.generate(prompts, greedy(24, ignore_eos=True), use_tqdm=False)
+    prompts, refs = dense_refs
+    outs = llm.generate(prompts, greedy(DENSE_NEW, ignore_eos=True), use_tqdm=False)
     s = llm.engine.stats
     assert 0 < s.num_accepted < s.num_drafted
     ties = 0
-    for ids, out in zip(prompts, outs, strict=True):
-        ref = dense_greedy(smollm2.config, smollm2.params, ids, 24, width=128)
+    for ids, ref, out in zip(prompts, refs, outs, strict=True):
         diff = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=True))
                      if a != b), None)
         if diff is None:

@@ -56,8 +56,10 @@ def _heads(ec, noise: float):
 
 
 def _engine(ec=None, heads=None, **kw) -> LLMEngine:
+    # one batch bucket: a lone request runs padded to 4 rows (padding rows attend to no key;
+    # no step has code of its own for one row), so each engine compiles one program a kind
     base = dict(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
-                max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(1, 4),
+                max_prefill_chunk=32, max_num_batched_tokens=128, batch_buckets=(4,),
                 attention="reference", exit_control=ControllerConfig(mode="exits"))
     base.update(kw)
     return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base), ec, heads)
