@@ -17,7 +17,7 @@ from ee_jax.models.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    key: str  # its name in the params tree (under params["layers"] for a layer weight)
+    key: str  # its field in the params tree (`params.Params`; of params.layers for a layer's)
     dims: tuple[str, ...]  # its shape in the config's terms (`DIMS`), input-major
     axes: tuple[str | None, ...]  # its logical axes, one a dim (`sharding.LOGICAL_RULES`)
     layer: bool = True  # one a layer (stacked: a leading layer axis)
