@@ -129,3 +129,25 @@ def test_a_checkpoint_of_the_dict_layout_loads(tmp_path):
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(old), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     assert jnp.dtype(restored.embed.dtype) == jnp.dtype(cfg.jnp_dtype)
+
+
+def test_a_mapping_given_to_the_public_entry_points_is_converted_once():
+    """ee_jax.Params is the public name; a LoadedModel or an engine given the dict form holds
+    Params, and a key that is no weight is named before anything is built."""
+    import ee_jax
+    from ee_jax.models.loading import LoadedModel
+    from ee_jax.serving.engine import LLMEngine
+    from ee_jax.serving.plan import EngineConfig
+
+    cfg, params = tiny_model(seed=0)
+    assert ee_jax.Params is Params
+    model = LoadedModel(cfg, params.to_dict(), None, "tiny")
+    assert isinstance(model.params, Params) and model.params.layers.wq is params.layers.wq
+    config = EngineConfig.make(max_num_seqs=1, max_model_len=32, page_size=8, num_pages=8,
+                               batch_buckets=(1,))
+    engine = LLMEngine(cfg, params.to_dict(), None, config)
+    assert isinstance(engine.runner.params, Params)
+    with pytest.raises(llama.ParamsMismatchError, match=r"\['lm_head_t'\]"):
+        LLMEngine(cfg, {**params.to_dict(), "lm_head_t": params.lm_head.T}, None, config)
+    with pytest.raises(llama.ParamsMismatchError, match=r"params given .*missing \[.lm_head.\]"):
+        LLMEngine(cfg, params.replace(lm_head=None), None, config)
