@@ -4,8 +4,10 @@ A weight's shape in the config's terms, its logical axes (what sharding splits),
 a layer matmul weight (what int8 and GGUF blocks hold), the config switch that adds it, and its
 names in Hugging Face and GGUF files. The abstract parameter tree (`llama.param_shapes`),
 `quant.QUANTIZED_KEYS`, `sharding.PARAM_AXES` and both loaders' standard name maps derive from
-`WEIGHTS`: adding a weight (a bias, a norm) is one line here. Family-specific names (Gemma 2's
-norms in Hugging Face files) stay in their format module as overrides.
+`WEIGHTS`: adding a weight (a bias, a norm) is one line here, and its field on the typed tree
+(`params.LayerParams` or `params.Params`; tests/test_weights.py holds the fields to `WEIGHTS`).
+Family-specific names (Gemma 2's norms in Hugging Face files) stay in their format module as
+overrides.
 """
 
 from __future__ import annotations
