@@ -232,8 +232,8 @@ def weight_bytes(params) -> tuple[int, int, int]:
     """(all params, layer weights a decode step reads, the LM head / tied embedding)."""
     from ee_jax.models.quant import QUANTIZED_KEYS, param_bytes
 
-    layers = sum(param_bytes(params["layers"][k]) for k in QUANTIZED_KEYS)
-    head = param_bytes(params.get("lm_head", params["embed"]))
+    layers = sum(param_bytes(params.weight(k)) for k in QUANTIZED_KEYS)
+    head = param_bytes(params.embed if params.lm_head is None else params.lm_head)
     return param_bytes(params), layers, head
 
 
@@ -345,7 +345,7 @@ def block_variants(cfg, params) -> dict:
     for bit."""
     from ee_jax.models import quant
 
-    dense_head = dict(params, embed=quant.dequantize(params["embed"]))
+    dense_head = params.replace(embed=quant.dequantize(params.embed))
     packed = jax.tree.map(lambda a: _repack(a) if isinstance(a, quant.BlockQ) else a, params,
                           is_leaf=lambda a: isinstance(a, quant.BlockQ))
     return {"f32 (dequantized)": (cfg, quant.dequantize_params(params)),

@@ -423,7 +423,7 @@ def engine_main(argv=None) -> int:
     else:
         m = load_f32(args.model)
         hf = hf_from_gguf(args.model) if "static" in args.modes and args.static == "hf" else None
-        blocks = any(type(a).__name__ == "BlockQ" for a in m.params["layers"].values())
+        blocks = any(type(a).__name__ == "BlockQ" for a in m.params.layers.to_dict().values())
         weights = (f"{args.model} (f32 arithmetic; ee-jax serves the GGUF's Q4_1 layer "
                    "weights in their blocks, dequantized in the step to the same f32 values; "
                    "transformers dequantizes to f32 arrays)" if blocks else

@@ -379,8 +379,8 @@ def step_formats(cfg, B: int, W: int, target: aot.Target, kv_dtype=None):
         return picked(cfg)
     except Exception:  # e.g. RESOURCE_EXHAUSTED: the layer's layouts are the step's
         fp, fc = picked(dataclasses.replace(cfg, n_layers=1))
-        layered = {"layers": jax.tree.map(layouts.layer_axis_major, fp["layers"])}
-        return dict(fp, **layered), jax.tree.map(layouts.layer_axis_major, fc)
+        layered = jax.tree.map(layouts.layer_axis_major, fp.layers)
+        return fp.replace(layers=layered), jax.tree.map(layouts.layer_axis_major, fc)
 
 
 def _out(fmts, n: int):
@@ -434,7 +434,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         fp, fc = fmts
         params, cache, p1, c1 = (layouts.place(params, fp), layouts.place(cache, fc),
                                  layouts.place(p1, fp), layouts.place(c1, fc))
-        lp = layouts.place(lp, jax.tree.map(layouts.unstacked, fp["layers"]))
+        lp = layouts.place(lp, jax.tree.map(layouts.unstacked, fp.layers))
     compiled: Cost | str = Cost(0.0, 0.0)
     step_copies = 0.0
     if step:  # as the step runs: the cache donated, attention "reference" over the pool
@@ -1009,9 +1009,9 @@ def weight_slices_main(argv=None) -> int:
         pool_layer = m.parts[POOL][0].bytes
         args_ = step_args(cfg, B, W, None, "cuda")
         params, cache, tokens, meta, _ = args_
-        rest = {k: v for k, v in params.items() if k != "layers"}
+        rest = params.replace(layers=llama.LayerParams())  # the weights besides the layers
         layers = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                               params["layers"]) for _ in range(L)]
+                               params.layers) for _ in range(L)]
         runs = [("stacked, fori_loop (body once)", full_step_fn(cfg), args_, 1, {},
                  fixed + pool_layer),
                 ("stacked, Python loop", stacked_python_loop(cfg), args_, 1, {},

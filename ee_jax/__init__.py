@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and readers
     from ee_jax.models.exits.config import ExitConfig
     from ee_jax.models.exits.heads import ExitHeads
     from ee_jax.models.loading import LoadedModel, load_model
+    from ee_jax.models.params import Params
     from ee_jax.serving.engine import LLMEngine
     from ee_jax.serving.llm import LLM
     from ee_jax.serving.params import InvalidRequestError, RequestOutput, SamplingParams
@@ -32,6 +33,7 @@ _EXPORTS = {
     "LoadedModel": "ee_jax.models.loading",
     "ModelConfig": "ee_jax.models.config",
     "ModelLoadError": "ee_jax.errors",
+    "Params": "ee_jax.models.params",
     "RequestOutput": "ee_jax.serving.params",
     "RopeScaling": "ee_jax.models.config",
     "SamplingParams": "ee_jax.serving.params",
@@ -40,8 +42,9 @@ _EXPORTS = {
 }
 # _EXPORTS's names, spelt out: linters read a literal __all__
 __all__ = ["LLM", "EEJaxError", "EngineConfig", "ExitConfig", "ExitHeads", "InvalidRequestError",
-           "LLMEngine", "LoadedModel", "ModelConfig", "ModelLoadError", "RequestOutput",
-           "RopeScaling", "SamplingParams", "UnsupportedModelError", "load_model"]
+           "LLMEngine", "LoadedModel", "ModelConfig", "ModelLoadError", "Params",
+           "RequestOutput", "RopeScaling", "SamplingParams", "UnsupportedModelError",
+           "load_model"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"

@@ -115,7 +115,7 @@ def case():
     for prompt, pages, a, b in ROWS:
         seq = [*prompt, a, b]
         hidden = np.asarray(_dense_hidden(jnp.asarray(seq)))  # [L, T, D]
-        inputs = lambda p: [np.asarray(PARAMS["embed"][seq[p]])] + [hidden[i, p]  # noqa: E731
+        inputs = lambda p: [np.asarray(PARAMS.embed[seq[p]])] + [hidden[i, p]  # noqa: E731
                                                                    for i in range(L - 1)]
         for p in range(len(prompt)):
             page, off = _slot(pages, p)

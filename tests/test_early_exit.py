@@ -193,7 +193,7 @@ def _write_prompt_kv(cache_k, cache_v, prompt, table, page_size):
     """The prompt's K/V at full depth from the dense forward, written at its pages."""
     hidden = dense_hidden(prompt)
     for p, tok in enumerate(prompt):
-        layer_in = [PARAMS["embed"][tok]] + [hidden[i, p] for i in range(L - 1)]
+        layer_in = [PARAMS.embed[tok]] + [hidden[i, p] for i in range(L - 1)]
         for layer in range(L):
             k, v = _kv(LAYERS[layer], layer_in[layer], jnp.asarray(p))
             cache_k[layer, table[p // page_size], p % page_size] = np.asarray(k)
@@ -238,7 +238,7 @@ def test_forced_exit_backfills_cache_with_projection_of_exit_state():
         page, off = table[pos // page_size], pos % page_size
         touched[page, off] = True
         hidden = dense_hidden([*prompt, new_tok[r]])
-        layer_in = [PARAMS["embed"][new_tok[r]]] + [hidden[i, pos] for i in range(L - 1)]
+        layer_in = [PARAMS.embed[new_tok[r]]] + [hidden[i, pos] for i in range(L - 1)]
         h_exit = hidden[e - 1, pos]
         for layer in range(L):
             src = h_exit if layer >= e else layer_in[layer]

@@ -122,9 +122,9 @@ def test_well_separated_top_k_is_found_exactly():
     v = rng.normal(size=cfg.d_model)
     v /= np.linalg.norm(v)
     top = rng.choice(subset, K, replace=False)
-    embed = np.asarray(params["embed"]).copy()
+    embed = np.asarray(params.embed).copy()
     embed[top] = (2.0 + 0.5 * np.arange(K))[::-1, None] * v  # 5.5, 5.0, .. 2.0 times |hn|
-    params = dict(params, embed=jnp.asarray(embed))
+    params = params.replace(embed=jnp.asarray(embed))
     h = jnp.asarray(np.stack([v, 3 * v, v + 0.01 * rng.normal(size=cfg.d_model)]),
                     jnp.float32)
     f8, s8 = first_check(params, exit_heads.with_vocab_rows(params, heads, cfg), h, cfg, ec)

@@ -437,10 +437,9 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     from ee_jax.training.tune_config import TuneConfig, TuneConfigError
 
     params = jax.tree.map(jnp.asarray, PARAMS)
-    layers = dict(params["layers"])  # layers 3 and 4 add nothing: exits 2 and 3 agree with
-    for k in ("wo", "w_down"):  # full depth wherever its top-1 is in the subset
-        layers[k] = layers[k].at[2:].set(0.0)
-    params = dict(params, layers=layers)
+    layers = params.layers  # layers 3 and 4 add nothing: exits 2 and 3 agree with full
+    params = params.replace(layers=layers.replace(  # depth wherever its top-1 is in the subset
+        wo=layers.wo.at[2:].set(0.0), w_down=layers.w_down.at[2:].set(0.0)))
     sub = np.random.default_rng(0).permutation(CFG.vocab_size)[:64].astype(np.int32)
     ec = ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=8,
                     measure="candidates", vocab_subset=len(sub), candidates=4)

@@ -200,8 +200,8 @@ def test_exit_heads_use_the_family_norm_and_cap(tmp_root):
     np.testing.assert_allclose(exit_heads.exit_logits(params, heads, 0, h, cfg), full, atol=1e-6)
     assert np.abs(full).max() <= cfg.final_logit_softcap
     ids = jnp.asarray([5, 17, 90])
-    hn = llama.norm(h, params["final_norm"], cfg)
-    raw = np.asarray(hn @ params["embed"].T)  # tied head, before the cap
+    hn = llama.norm(h, params.final_norm, cfg)
+    raw = np.asarray(hn @ params.embed.T)  # tied head, before the cap
     assert np.abs(raw[:, ids] - np.asarray(full)[:, ids]).max() > 1e-2  # the cap bites
     np.testing.assert_allclose(exit_heads.unembed_rows(params, hn, ids, cfg), full[:, ids],
                                     atol=1e-6)
@@ -362,7 +362,7 @@ def _ref_prefill(cfg, params, tokens):
     logits, hidden = llama.forward(params, tokens[None], cfg, return_hidden=True)
     inputs = jnp.concatenate([llama.embed(params, tokens[None], cfg)[None], hidden[:-1]])
     pos = jnp.arange(REF_LEN)
-    kv = jax.vmap(lambda lp, x: llama.kv_project(lp, x[0], pos, cfg))(params["layers"], inputs)
+    kv = jax.vmap(lambda lp, x: llama.kv_project(lp, x[0], pos, cfg))(params.layers, inputs)
     return kv, logits[0]
 
 

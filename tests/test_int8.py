@@ -87,37 +87,37 @@ def test_int8_params_use_a_quarter_of_the_f32_bytes():
     channel and layer; the embedding, head and norms keep their f32 bytes."""
     f32 = quant.param_bytes(PARAMS)
     int8 = quant.param_bytes(QPARAMS)
-    layers = PARAMS["layers"]
-    n_w = sum(layers[k].size for k in quant.QUANTIZED_KEYS)
-    n_scales = sum(layers[k].shape[0] * layers[k].shape[-1] for k in quant.QUANTIZED_KEYS)
+    n_w = sum(PARAMS.weight(k).size for k in quant.QUANTIZED_KEYS)
+    n_scales = sum(PARAMS.weight(k).shape[0] * PARAMS.weight(k).shape[-1]
+                   for k in quant.QUANTIZED_KEYS)
     assert int8 == f32 - 4 * n_w + n_w + 4 * n_scales
-    q_bytes = sum(QPARAMS["layers"][k].nbytes for k in quant.QUANTIZED_KEYS)
+    q_bytes = sum(QPARAMS.weight(k).nbytes for k in quant.QUANTIZED_KEYS)
     assert q_bytes == n_w + 4 * n_scales
     # 1/4 + 1/in for the smallest input width (48): at most 0.271 of the f32 bytes, half bf16.
     assert q_bytes / (4 * n_w) <= 0.25 + 1 / CFG.d_model
     assert q_bytes / (2 * n_w) <= 0.5 + 2 / CFG.d_model
     for k in quant.QUANTIZED_KEYS:
-        assert QPARAMS["layers"][k].q.dtype == jnp.int8
-    for k in ("embed", "lm_head", "final_norm"):
-        assert QPARAMS[k] is PARAMS[k]  # kept in the model dtype (exit heads read the head)
+        assert QPARAMS.weight(k).q.dtype == jnp.int8
+    for k in ("embed", "lm_head", "final_norm"):  # kept in the model dtype (exit heads read
+        assert QPARAMS.weight(k) is PARAMS.weight(k)  # the head)
 
 
 def test_check_params_accepts_the_int8_tree_and_still_checks_shapes():
     llama.check_params(CFG, QPARAMS)
-    bad = dict(QPARAMS, layers=dict(QPARAMS["layers"],
-                                    wq=quant.quantize_weight(PARAMS["layers"]["wq"][:, :-1])))
+    bad = QPARAMS.replace(layers=QPARAMS.layers.replace(
+        wq=quant.quantize_weight(PARAMS.layers.wq[:, :-1])))
     with pytest.raises(llama.ParamsMismatchError, match="wq"):
         llama.check_params(CFG, bad)
     # consume=True updates the given tree (a loader's) in place, to the same int8 weights.
-    fresh = dict(PARAMS, layers=dict(PARAMS["layers"]))
+    fresh = PARAMS.replace(layers=PARAMS.layers.replace())
     assert quant.quantize_params(fresh, consume=True) is fresh
-    np.testing.assert_array_equal(np.asarray(fresh["layers"]["w_up"].q),
-                                  np.asarray(QPARAMS["layers"]["w_up"].q))
-    assert not isinstance(PARAMS["layers"]["w_up"], quant.QArray)
+    np.testing.assert_array_equal(np.asarray(fresh.layers.w_up.q),
+                                  np.asarray(QPARAMS.layers.w_up.q))
+    assert not isinstance(PARAMS.layers.w_up, quant.QArray)
     # Quantizing twice keeps the int8 weights; casting keeps them int8.
-    assert quant.quantize_params(QPARAMS)["layers"]["wq"] is QPARAMS["layers"]["wq"]
+    assert quant.quantize_params(QPARAMS).layers.wq is QPARAMS.layers.wq
     cast = llama.cast_params(QPARAMS, jnp.bfloat16)
-    assert cast["layers"]["wq"].q.dtype == jnp.int8 and cast["embed"].dtype == jnp.bfloat16
+    assert cast.layers.wq.q.dtype == jnp.int8 and cast.embed.dtype == jnp.bfloat16
 
 
 # --------------------------------------------------------------------------- logits
@@ -163,7 +163,7 @@ def test_engine_full_depth_on_int8_equals_dense_int8_forward():
     weights (no cache, no paging)."""
     llm = LLM(LoadedModel(CFG, PARAMS, None, "tiny"), quantize="int8", early_exit=False,
               progress=False, **engine_config())
-    assert isinstance(llm.model.params["layers"]["w_down"], quant.QArray)
+    assert isinstance(llm.model.params.layers.w_down, quant.QArray)
     outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     want = [dense_greedy(CFG, QPARAMS, p, MAX_NEW, width=64) for p in PROMPTS]
     assert [o.token_ids for o in outs] == want
@@ -196,7 +196,7 @@ def test_engine_forced_exit_and_backfill_on_int8():
         np.testing.assert_allclose(k8, k, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(v8, v, rtol=1e-4, atol=1e-5)
     if len(engines) == 3:  # the int8 weight and its scales are split over the heads
-        wq = engines[2].runner.params["layers"]["wq"]
+        wq = engines[2].runner.params.layers.wq
         assert isinstance(wq, quant.QArray) and len(wq.q.sharding.device_set) == 4
         assert wq.q.addressable_shards[0].data.shape[-1] == wq.q.shape[-1] // 2
         assert wq.scale.addressable_shards[0].data.shape[-1] == wq.scale.shape[-1] // 2
@@ -235,9 +235,9 @@ def test_int4_is_q4_1_blocks_served_exactly_within_the_stated_tolerance():
     tolerance of f32: logits off by at most one logit standard deviation, argmax agreeing
     on >= 70 % of positions (int8: 4 %, 98 %)."""
     model = quantize_model(LoadedModel(CFG4, PARAMS4, None, "tiny"), "int4")
-    layers = model.params["layers"]
-    assert all(isinstance(layers[k], quant.BlockQ) and layers[k].kind == "Q4_1"
-               for k in quant.QUANTIZED_KEYS)
+    layers = model.params.layers
+    assert all(isinstance(getattr(layers, k), quant.BlockQ)
+               and getattr(layers, k).kind == "Q4_1" for k in quant.QUANTIZED_KEYS)
     deq = quant.dequantize_params(model.params)
     toks = jnp.asarray(np.random.default_rng(0).integers(3, CFG4.vocab_size, (4, 24)))
     ref, out = (llama.forward(p, toks, CFG4) for p in (PARAMS4, deq))
@@ -250,7 +250,7 @@ def test_int4_is_q4_1_blocks_served_exactly_within_the_stated_tolerance():
         eng = LLMEngine(CFG4, model.params, None, EngineConfig.make(
             max_num_seqs=2, max_model_len=64, page_size=8, num_pages=20, batch_buckets=(1, 2),
             mesh=mesh))
-        assert isinstance(eng.runner.params["layers"]["w_up"], quant.BlockQ)
+        assert isinstance(eng.runner.params.layers.w_up, quant.BlockQ)
         outs = run_requests(eng, prompts, greedy(8))
         assert [o.token_ids for o in outs] == want, mesh
 

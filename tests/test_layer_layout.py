@@ -55,10 +55,10 @@ def test_the_plan_picks_per_layer_on_gpu_and_stacked_elsewhere():
 
 def test_per_layer_params_are_a_buffer_a_layer():
     eng = _engine("per_layer", None)
-    layers = eng.runner.params["layers"]
+    layers = eng.runner.params.layers
     assert isinstance(layers, tuple) and len(layers) == CFG.n_layers
     for i, lp in enumerate(layers):
-        np.testing.assert_array_equal(lp["wq"], PARAMS["layers"]["wq"][i])
+        np.testing.assert_array_equal(lp.wq, PARAMS.layers.wq[i])
 
 
 @pytest.mark.parametrize("ec", [
@@ -88,7 +88,7 @@ def test_lossy_exits_equal_the_stacked_engine(policy, backfill):
 def test_tp2_per_layer_equals_the_dense_forward(dense):
     eng = _engine("per_layer", EXITS.verified(2), mesh="tp=2")
     assert [o.token_ids for o in run_requests(eng, PROMPTS, GREEDY)] == dense
-    wq = eng.runner.params["layers"][0]["wq"]
+    wq = eng.runner.params.layers[0].wq
     assert len(wq.sharding.device_set) == 2
 
 
@@ -102,4 +102,4 @@ def test_llm_holds_the_per_layer_params_it_serves():
               max_model_len=64, page_size=8, num_pages=20, layer_layout="per_layer",
               progress=False)
     assert llm.model.params is llm.engine.runner.params
-    assert isinstance(llm.model.params["layers"], tuple)
+    assert isinstance(llm.model.params.layers, tuple)

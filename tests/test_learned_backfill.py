@@ -45,11 +45,11 @@ def _states(n_seq: int, seed: int) -> np.ndarray:
 
 def _np_pre_rope_kv(h: np.ndarray, j: int) -> np.ndarray:
     """Layer j's K/V of input h [N, D] before RoPE, in numpy (the model has no bias/k-norm)."""
-    g = np.asarray(PARAMS["layers"]["attn_norm"][j], np.float64)
+    g = np.asarray(PARAMS.layers.attn_norm[j], np.float64)
     x = h.astype(np.float64)
     xn = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + CFG.rms_eps) * g
-    return np.concatenate([xn @ np.asarray(PARAMS["layers"]["wk"][j], np.float64),
-                           xn @ np.asarray(PARAMS["layers"]["wv"][j], np.float64)], -1)
+    return np.concatenate([xn @ np.asarray(PARAMS.layers.wk[j], np.float64),
+                           xn @ np.asarray(PARAMS.layers.wv[j], np.float64)], -1)
 
 
 def _np_regressors(h: np.ndarray) -> np.ndarray:

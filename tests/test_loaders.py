@@ -106,24 +106,24 @@ def write_tiny_gguf(path, cfg, params, qtype=Q.F32, *, arch="llama", drop=(), re
             w.add_eos_token_id(cfg.eos_token_ids[0])
 
     P = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
-    tensors = {"token_embd.weight": P["embed"], "output_norm.weight": P["final_norm"]}
-    if "lm_head" in P:
-        tensors["output.weight"] = P["lm_head"].T
+    tensors = {"token_embd.weight": P.embed, "output_norm.weight": P.final_norm}
+    if P.lm_head is not None:
+        tensors["output.weight"] = P.lm_head.T
     if cfg.rope_scaling is not None:
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg.rope_theta, cfg.head_dim,
                                                          cfg.rope_scaling)
-    lay = P["layers"]
+    lay = P.layers
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
-        tensors[b + "attn_norm.weight"] = lay["attn_norm"][i]
-        tensors[b + "attn_q.weight"] = llama_cpp_permute(lay["wq"][i].T, cfg.n_heads)
-        tensors[b + "attn_k.weight"] = llama_cpp_permute(lay["wk"][i].T, cfg.n_kv_heads)
-        tensors[b + "attn_v.weight"] = lay["wv"][i].T
-        tensors[b + "attn_output.weight"] = lay["wo"][i].T
-        tensors[b + "ffn_norm.weight"] = lay["mlp_norm"][i]
-        tensors[b + "ffn_gate.weight"] = lay["w_gate"][i].T
-        tensors[b + "ffn_up.weight"] = lay["w_up"][i].T
-        tensors[b + "ffn_down.weight"] = lay["w_down"][i].T
+        tensors[b + "attn_norm.weight"] = lay.attn_norm[i]
+        tensors[b + "attn_q.weight"] = llama_cpp_permute(lay.wq[i].T, cfg.n_heads)
+        tensors[b + "attn_k.weight"] = llama_cpp_permute(lay.wk[i].T, cfg.n_kv_heads)
+        tensors[b + "attn_v.weight"] = lay.wv[i].T
+        tensors[b + "attn_output.weight"] = lay.wo[i].T
+        tensors[b + "ffn_norm.weight"] = lay.mlp_norm[i]
+        tensors[b + "ffn_gate.weight"] = lay.w_gate[i].T
+        tensors[b + "ffn_up.weight"] = lay.w_up[i].T
+        tensors[b + "ffn_down.weight"] = lay.w_down[i].T
     tensors.update(extra_tensors or {})
     tensors.update(replace or {})
     for name, t in tensors.items():
@@ -230,29 +230,29 @@ def test_gguf_blocks_are_the_dequantized_weights_bit_for_bit(tmp_path, torch_cpu
 
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     for key in quant.QUANTIZED_KEYS:
-        w = blocked["layers"][key]
+        w = blocked.weight(key)
         assert isinstance(w, quant.BlockQ) and w.kind == qtype.name
         assert (w.offset_t is not None) == (qtype == Q.Q4_1)
         np.testing.assert_array_equal(np.asarray(quant.dequantize(w)),
-                                      np.asarray(dense["layers"][key]))
+                                      np.asarray(dense.weight(key)))
         # held at the file's own size: ggml's bytes per block of 32 weights, no more
         assert w.nbytes == np.prod(w.shape) // block_size * type_size
         # and as CPU steps read it (one value a byte): the same weight
         cpu = quant.for_platform(w, "cpu")
         assert not cpu.packed and cpu.q_t.shape[-1] == w.shape[-2]
         np.testing.assert_array_equal(np.asarray(quant.dequantize(cpu)),
-                                      np.asarray(dense["layers"][key]))
+                                      np.asarray(dense.weight(key)))
         assert quant.for_platform(w, "tpu") is w
     # the tied head / embedding in the file's blocks too, as the table it is ([V, D])
-    table = blocked["embed"]
-    assert isinstance(table, quant.BlockQ) and table.table and table.shape == dense["embed"].shape
+    table = blocked.embed
+    assert isinstance(table, quant.BlockQ) and table.table and table.shape == dense.embed.shape
     assert table.nbytes == np.prod(table.shape) // block_size * type_size
     for t in (table, quant.for_platform(table, "cpu")):
         np.testing.assert_array_equal(np.asarray(quant.dequantize(t)),
-                                      np.asarray(dense["embed"]))
+                                      np.asarray(dense.embed))
         ids = jnp.asarray([[3, 0], [cfg.vocab_size - 1, 3]])
         np.testing.assert_array_equal(np.asarray(quant.take_rows(t, ids)),
-                                      np.asarray(dense["embed"])[np.asarray(ids)])
+                                      np.asarray(dense.embed)[np.asarray(ids)])
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                  dtype=torch_cpu.float32)
     tokens = tokens_for(cfg)
@@ -322,7 +322,7 @@ def test_gguf_llama3_rope_scaling_and_tied_head(tmp_path):
     path = write_tiny_gguf(tmp_path / "scaled.gguf", cfg, params, Q.F32)
     loaded_cfg, loaded = load_gguf(path)
     assert loaded_cfg.rope_scaling == cfg.rope_scaling
-    assert loaded_cfg.tie_embeddings and "lm_head" not in loaded
+    assert loaded_cfg.tie_embeddings and loaded.lm_head is None
     assert loaded_cfg == cfg
     tokens = tokens_for(cfg, n=SEQ)
     np.testing.assert_array_equal(our_logits(loaded, loaded_cfg, tokens),
@@ -406,9 +406,9 @@ def test_hf_tied_bf16(tmp_path, torch_cpu):
     model = make_hf_model(torch_cpu, tie_word_embeddings=True).to(torch_cpu.bfloat16)
     model.save_pretrained(tmp_path, safe_serialization=True)
     cfg, params = load_hf(tmp_path, dtype="bfloat16")
-    assert cfg.tie_embeddings and "lm_head" not in params and cfg.dtype == "bfloat16"
+    assert cfg.tie_embeddings and params.lm_head is None and cfg.dtype == "bfloat16"
     want = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
-    np.testing.assert_array_equal(np.asarray(params["layers"]["wq"][1], np.float32), want)
+    np.testing.assert_array_equal(np.asarray(params.layers.wq[1], np.float32), want)
 
 
 def test_config_from_hf_variants():
@@ -465,7 +465,7 @@ def test_checkpoint_without_extra_and_overwrite(tmp_path):
     save_checkpoint(tmp_path, cfg, params, overwrite=True)
     cfg2, params2, extra = restore_checkpoint(tmp_path)
     assert cfg2 == cfg and extra == {}
-    np.testing.assert_array_equal(np.asarray(params2["embed"]), np.asarray(params["embed"]))
+    np.testing.assert_array_equal(np.asarray(params2.embed), np.asarray(params.embed))
 
 
 # --------------------------------------------------------------------------- registry
@@ -487,7 +487,7 @@ def test_registry_resolves_paths(tmp_path, torch_cpu):
     assert resolve_model(ck) == ("checkpoint", ck)
     cfg16, p16 = load_params(ck, dtype="bfloat16")
     assert cfg16 == cfg.replace(dtype="bfloat16")
-    assert p16["embed"].dtype == jnp.bfloat16
+    assert p16.embed.dtype == jnp.bfloat16
 
 
 def test_registry_smollm2_resolves():
@@ -504,7 +504,7 @@ def test_smollm2_gguf_loads():
     cfg, params = load_gguf(path)
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.head_dim) == (30, 9, 3,
                                                                                       576, 64)
-    assert cfg.tie_embeddings and "lm_head" not in params
+    assert cfg.tie_embeddings and params.lm_head is None
     assert (cfg.vocab_size, cfg.ffn_dim, cfg.rope_theta, cfg.rms_eps) == (49152, 1536, 1e5, 1e-5)
     assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.max_position) == (1, (2,), 8192)
     assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(params))

@@ -222,7 +222,7 @@ def test_cuda_steps_hold_their_layers_per_layer_and_copy_no_layer_weight():
     from ee_jax.serving.aot import traffic
 
     layer_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(
-        aot.abstract_params(CFG)["layers"])}
+        aot.abstract_params(CFG).layers)}
 
     def layer_copies(text: str) -> int:
         bodies = hlo.computations(text)

@@ -95,14 +95,18 @@ def test_bad_config_names_the_field(kw, field):
 
 
 def test_check_params_reports_missing_extra_and_misshaped():
-    bad = jax.tree.map(lambda a: a, PARAMS)
-    del bad["layers"]["wq"]
-    bad["extra"] = jnp.zeros(3)
-    bad["final_norm"] = jnp.zeros(5)
+    bias = jnp.zeros((CFG.n_layers, CFG.n_heads * CFG.head_dim))  # a weight CFG has not
+    bad = PARAMS.replace(layers=PARAMS.layers.replace(wq=None, bq=bias),
+                         final_norm=jnp.zeros(5))
     with pytest.raises(llama.ParamsMismatchError) as e:
         llama.check_params(CFG, bad)
     msg = str(e.value)
-    assert "wq" in msg and "extra" in msg and "final_norm" in msg
+    assert "missing ['layers.wq']" in msg and "unexpected ['layers.bq']" in msg
+    assert "final_norm has shape (5,), expected (48,)" in msg
+    # the dict form: a key that is no weight is named where it is converted
+    extra = {**PARAMS.to_dict(), "extra": jnp.zeros(3)}
+    with pytest.raises(llama.ParamsMismatchError, match=r"no weight\(s\) \['extra'\]"):
+        llama.check_params(CFG, extra)
 
 
 @pytest.mark.parametrize("lead", [(1,), (8,), (2, 3), (100,)])
@@ -112,7 +116,7 @@ def test_tied_head_equals_numpy_and_differentiates(lead):
     cfg, params = tiny_model(seed=6, tie_embeddings=True)
     rng = np.random.default_rng(len(lead))
     xn = rng.normal(size=(*lead, cfg.d_model)).astype(np.float32)
-    E = np.asarray(params["embed"], np.float64)  # [V, D]
+    E = np.asarray(params.embed, np.float64)  # [V, D]
     got = np.asarray(jax.jit(llama.unembed, static_argnums=2)(params, jnp.asarray(xn), cfg))
     np.testing.assert_allclose(got, xn @ E.T, rtol=1e-5, atol=1e-5)
     c = rng.normal(size=(*lead, cfg.vocab_size)).astype(np.float32)

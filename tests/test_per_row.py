@@ -101,7 +101,7 @@ def step_case():
         seq = [*prompt, tok]
         hidden = dense_hidden(seq)  # [L, T, D]
         for p, t in enumerate(seq):
-            layer_in = [np.asarray(PARAMS["embed"][t])] + [hidden[i, p] for i in range(L - 1)]
+            layer_in = [np.asarray(PARAMS.embed[t])] + [hidden[i, p] for i in range(L - 1)]
             kvs = [kv_of(j, layer_in[j], p) for j in range(L)]
             if p < len(prompt):
                 for j, (k, v) in enumerate(kvs):

@@ -68,7 +68,7 @@ def test_sharded_engine_equals_one_device(one_device, mesh, policy):
     np.testing.assert_allclose(k, ref_k, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v, ref_v, rtol=1e-5, atol=1e-5)
     spec = MeshSpec.parse(mesh)
-    wq = engine.runner.params["layers"]["wq"]
+    wq = engine.runner.params.layers.wq
     assert len(wq.sharding.device_set) == spec.size
     if spec.tp > 1:  # the query projection is split over heads, the cache over KV heads
         assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // spec.tp
@@ -148,11 +148,11 @@ def test_gguf_block_weights_serve_sharded_in_their_blocks(tmp_path, qtype):
             max_num_seqs=2, max_model_len=64, page_size=4, num_pages=40, max_prefill_chunk=16,
             batch_buckets=(1, 2), mesh=mesh))
         runs[mesh] = [o.token_ids for o in run_requests(engine, prompts, greedy(NEW))]
-        layers = engine.runner.params["layers"]
-        assert all(isinstance(layers[k], quant.BlockQ) for k in quant.QUANTIZED_KEYS)
+        layers = engine.runner.params.layers
+        assert all(isinstance(getattr(layers, k), quant.BlockQ) for k in quant.QUANTIZED_KEYS)
         if mesh is not None:  # [L, out, in-bytes]: wq split by output rows, wo by inputs
             for key, axis in (("wq", 1), ("w_up", 1), ("wo", 2), ("w_down", 2)):
-                w = layers[key]
+                w = getattr(layers, key)
                 for a in (w.q_t, w.scale_t):
                     shard = a.addressable_shards[0].data.shape
                     assert shard[axis] * 2 == a.shape[axis], (key, a.shape, shard)

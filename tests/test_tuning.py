@@ -174,7 +174,7 @@ def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
     tokens = jnp.asarray(ROWS[:2])
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
     hs = hidden[np.asarray(ec.exit_layers) - 1]
-    fin = llama.norm(hidden[-1], PARAMS["final_norm"], CFG)
+    fin = llama.norm(hidden[-1], PARAMS.final_norm, CFG)
     V = CFG.vocab_size
     top = np.asarray(jax.lax.top_k(final, 4)[1])
     ids, valid, pos = batch_vocab(ROWS[:2, 1:], top, V, np.arange(V))
@@ -214,7 +214,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     cache = cache_states(CFG, PARAMS, ROWS, ec.exit_layers, 4, progress=False)
     V = CFG.vocab_size
     fin = llama.norm(llama.forward(PARAMS, jnp.asarray(ROWS), CFG, return_hidden=True)[1][-1],
-                     PARAMS["final_norm"], CFG)
+                     PARAMS.final_norm, CFG)
     loss = jax.jit(lambda h: restricted_exit_losses(
         h, PARAMS, jnp.asarray(np.moveaxis(cache["hs"], 1, 0)), fin, jnp.arange(V),
         jnp.ones(V, bool), jnp.asarray(ROWS[:, 1:]), CFG, ec, tc.loss_weights())[0])

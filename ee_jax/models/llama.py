@@ -1,10 +1,11 @@
 """The Llama-family decoder as pure functions over a layer-stacked parameter pytree.
 
-Parameters are a plain dict. Every per-layer tensor carries a leading layer axis so a
+Parameters are a `Params` (`ee_jax.models.params`: a registered dataclass, a field per weight,
+None where the config has none). Every per-layer tensor carries a leading layer axis so a
 traced layer index can select a layer inside `lax.scan` / `lax.while_loop`:
 
     embed       [V, D]
-    layers/     attn_norm [L, D]      wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
+    layers.     attn_norm [L, D]      wq [L, D, H*hd]   wk, wv [L, D, K*hd]   wo [L, H*hd, D]
                 mlp_norm  [L, D]      w_gate, w_up [L, D, F]                 w_down [L, F, D]
                 bq [L, H*hd], bk, bv [L, K*hd]          (cfg.qkv_bias: Qwen2)
                 q_norm, k_norm [L, hd]                  (cfg.qk_norm: Qwen3)
@@ -25,16 +26,16 @@ by `ModelConfig` switches, each read here by one function (see `ModelConfig`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ee_jax.errors import ModelLoadError
 from ee_jax.models import weights
 from ee_jax.models.config import ModelConfig
+from ee_jax.models.params import LayerParams, Params, ParamsMismatchError, as_params
 from ee_jax.models.quant import (
     BlockQ,
     QArray,
@@ -44,8 +45,6 @@ from ee_jax.models.quant import (
     take_rows,
 )
 
-Params = dict[str, Any]
-LayerParams = dict[str, jax.Array]
 # attend(q [..., T, H, hd], k [..., T, K, hd], v [..., T, K, hd]) -> (out [..., T, H, hd], aux)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
@@ -57,38 +56,53 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 def param_shapes(cfg: ModelConfig) -> Params:
     """The abstract parameter tree: every loader fills exactly this, nothing more or less
     (`weights.WEIGHTS`, each weight's one declaration)."""
-    tree: Params = {"layers": {}}
-    for w in weights.WEIGHTS:
-        if weights.present(w, cfg):
-            (tree["layers"] if w.layer else tree)[w.key] = jax.ShapeDtypeStruct(
-                weights.shape(w, cfg), cfg.jnp_dtype)
-    return tree
+    shapes = {w.key: jax.ShapeDtypeStruct(weights.shape(w, cfg), cfg.jnp_dtype)
+              for w in weights.WEIGHTS if weights.present(w, cfg)}
+    return Params(layers=LayerParams(**{k: v for k, v in shapes.items()
+                                        if weights.BY_KEY[k].layer}),
+                  **{k: v for k, v in shapes.items() if not weights.BY_KEY[k].layer})
 
 
-class ParamsMismatchError(ModelLoadError):
-    """A parameter tree that does not match the model configuration."""
+def weight_name(path) -> str:
+    """A params leaf's name from its tree path: "embed", "layers.wq" ("layers.3.wq" per
+    layer), a packed weight's field after it ("layers.wq.scale")."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                    for k in path)
 
 
-def check_params(cfg: ModelConfig, params: Params, *, source: str = "params") -> None:
-    """Raise if any leaf is missing, extra, or mis-shaped relative to `param_shapes(cfg)`."""
-    expected = {jax.tree_util.keystr(p): leaf for p, leaf in
-                jax.tree_util.tree_leaves_with_path(param_shapes(cfg))}
-    got = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(
+def check_params(cfg: ModelConfig, params: Params | Mapping[str, Any], *,
+                 source: str = "params") -> Params:
+    """`params` as `Params` (a mapping of weight keys converted, `as_params`), or
+    ParamsMismatchError naming every weight missing, unexpected or mis-shaped relative to
+    `param_shapes(cfg)`. Stacked layers are compared as they are; per-layer ones each
+    against the stacked shape less the layer axis."""
+    params = as_params(params)
+    expected = param_shapes(cfg)
+    if per_layer(params):
+        if len(params.layers) != cfg.n_layers:
+            raise ParamsMismatchError(f"{source} holds {len(params.layers)} layers, the "
+                                      f"model config {cfg.n_layers}")
+        one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+                           expected.layers)
+        expected = expected.replace(layers=tuple(one for _ in params.layers))
+    want = {weight_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(expected)}
+    got = {weight_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(
         params, is_leaf=_weight_leaf)}  # an int8 or output-major weight has its w's shape
     problems = []
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
     if missing:
         problems.append(f"missing {missing}")
     if extra:
         problems.append(f"unexpected {extra}")
-    for key in sorted(set(expected) & set(got)):
-        if tuple(got[key].shape) != tuple(expected[key].shape):
-            problems.append(f"{key} has shape {tuple(got[key].shape)}, expected "
-                            f"{tuple(expected[key].shape)}")
+    for key in sorted(set(want) & set(got)):
+        if tuple(np.shape(got[key])) != tuple(want[key].shape):
+            problems.append(f"{key} has shape {tuple(np.shape(got[key]))}, expected "
+                            f"{tuple(want[key].shape)}")
     if problems:
         raise ParamsMismatchError(
             f"{source} does not match the model config: " + "; ".join(problems))
+    return params
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
@@ -99,8 +113,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
     keys = jax.random.split(key, len(leaves))
     out = []
     for (path, sd), k in zip(leaves, keys, strict=True):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
+        if "norm" in path[-1].name:  # a norm weight (attn_norm, final_norm, q_norm, ...)
             out.append((1.0 - cfg.norm_offset) + 0.1 * jax.random.normal(k, sd.shape, sd.dtype))
         else:
             out.append(scale * jax.random.normal(k, sd.shape, sd.dtype))
@@ -122,14 +135,14 @@ def cast_params(params: Params, dtype) -> Params:
 def layer_params(params: Params, i) -> LayerParams:
     """Layer `i` (a Python int or a traced scalar) of the stacked layers."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                        params["layers"])
+                        params.layers)
 
 
-# Layer layouts (docs/architecture.md, "Layer layouts"). "stacked": params["layers"] a dict
-# of arrays with a leading layer axis, a layer read by a dynamic slice (TPU reads it in place;
-# CPU too). "per_layer": a tuple of one dict a layer, each weight a buffer of its own (XLA's
-# GPU compiler copies a dynamic slice of a stacked weight out before its GEMMs; a buffer of
-# its own it reads in place). Same math, same dtypes.
+# Layer layouts (docs/architecture.md, "Layer layouts"). "stacked": params.layers one
+# LayerParams of arrays with a leading layer axis, a layer read by a dynamic slice (TPU reads
+# it in place; CPU too). "per_layer": a tuple of one LayerParams a layer, each weight a buffer
+# of its own (XLA's GPU compiler copies a dynamic slice of a stacked weight out before its
+# GEMMs; a buffer of its own it reads in place). Same math, same dtypes.
 LAYOUTS = ("stacked", "per_layer")
 
 
@@ -141,15 +154,15 @@ def layout_for(platform: str) -> str:
 
 def per_layer(params: Params) -> bool:
     """Whether params hold their layers per layer (a tuple) rather than stacked."""
-    return isinstance(params["layers"], tuple | list)
+    return isinstance(params.layers, tuple | list)
 
 
 def unstack_layers(params: Params) -> Params:
-    """params with the stacked layers as a tuple of per-layer dicts (abstract leaves:
+    """params with the stacked layers as a tuple of per-layer LayerParams (abstract leaves:
     ShapeDtypeStructs without the layer axis, their sharding kept)."""
     if per_layer(params):
         return params
-    layers = params["layers"]
+    layers = params.layers
     n = jax.tree.leaves(layers)[0].shape[0]
 
     def take(a, i):
@@ -157,8 +170,8 @@ def unstack_layers(params: Params) -> Params:
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_drop_axis(a.sharding))
         return a[i]
 
-    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: take(a, i), layers)
-                                      for i in range(n))}
+    return params.replace(layers=tuple(jax.tree.map(lambda a, i=i: take(a, i), layers)
+                                       for i in range(n)))
 
 
 def _drop_axis(sharding):
@@ -227,12 +240,12 @@ def _split_heads(x: jax.Array, n: int) -> jax.Array:
 def _project_heads(lp: LayerParams, xn: jax.Array, which: str, n: int, cfg: ModelConfig):
     """xn @ w{which} (+ bias) split into n heads: [..., T, D] -> [..., T, n, hd]; q and k get
     the per-head norm (Qwen3) here, before RoPE."""
-    y = linear(xn, lp["w" + which])
+    y = linear(xn, getattr(lp, "w" + which))
     if cfg.qkv_bias:
-        y = y + lp["b" + which]
+        y = y + getattr(lp, "b" + which)
     y = _split_heads(y, n)
     if cfg.qk_norm and which in ("q", "k"):
-        y = norm(y, lp[which + "_norm"], cfg)
+        y = norm(y, getattr(lp, which + "_norm"), cfg)
     return y
 
 
@@ -256,7 +269,7 @@ def kv_project(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelCo
     The layer itself and the early-exit back-fill both go through this function, so the
     cache entries a back-fill writes are exactly what the layer would have written.
     """
-    return kv_from_normed(lp, norm(x, lp["attn_norm"], cfg), positions, cfg)
+    return kv_from_normed(lp, norm(x, lp.attn_norm, cfg), positions, cfg)
 
 
 def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
@@ -319,13 +332,19 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
 
 
 def mlp(lp: LayerParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Gated MLP: SwiGLU, or GeGLU (tanh GELU) when cfg.activation is "gelu_tanh"."""
-    gate = linear(x, lp["w_gate"])
+    """A layer's gated MLP (`gated_mlp` with its w_gate, w_up, w_down)."""
+    return gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, cfg)
+
+
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP: SwiGLU, or GeGLU (tanh GELU) when cfg.activation is "gelu_tanh" (the layers'
+    and an EE-LLM branch exit's)."""
+    gate = linear(x, w_gate)
     if cfg.activation == "gelu_tanh":
         act = jax.nn.gelu(gate, approximate=True)
     else:
         act = jax.nn.silu(gate)
-    return linear(act * linear(x, lp["w_up"]), lp["w_down"])
+    return linear(act * linear(x, w_up), w_down)
 
 
 def decoder_layer(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: ModelConfig,
@@ -354,7 +373,7 @@ def attention_inputs(lp: LayerParams, x: jax.Array, positions: jax.Array, cfg: M
     rotated). With `layer_outputs`, the two halves of a layer that read its weights:
     a per-layer program runs each as a branch of its layer, attention between them
     (`paged_model.paged_layer`)."""
-    xn = norm(x, lp["attn_norm"], cfg)
+    xn = norm(x, lp.attn_norm, cfg)
     q = q_project(lp, xn, positions, cfg)
     k, v = kv_from_normed(lp, xn, positions, cfg)
     return q, k, v
@@ -364,13 +383,13 @@ def layer_outputs(lp: LayerParams, x: jax.Array, o: jax.Array, cfg: ModelConfig
                   ) -> tuple[jax.Array, jax.Array]:
     """A layer's weights after attention: the output projection of o [..., T, H, hd], the
     residual, the MLP. Returns (the layer's output, the state after attention)."""
-    o = linear(o.reshape(*o.shape[:-2], -1), lp["wo"])
+    o = linear(o.reshape(*o.shape[:-2], -1), lp.wo)
     if cfg.post_norms:
-        o = norm(o, lp["post_attn_norm"], cfg)
+        o = norm(o, lp.post_attn_norm, cfg)
     x = x + o
-    m = mlp(lp, norm(x, lp["mlp_norm"], cfg), cfg)
+    m = mlp(lp, norm(x, lp.mlp_norm, cfg), cfg)
     if cfg.post_norms:
-        m = norm(m, lp["post_mlp_norm"], cfg)
+        m = norm(m, lp.post_mlp_norm, cfg)
     return x + m, x
 
 
@@ -380,9 +399,9 @@ def unembed(params: Params, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
     A tied head is the embedding [V, D], i.e. the head stored output-major: it goes through
     `quant.out_major_matmul` (2-64 rows: E @ x.T, 11-21% faster than x @ E.T on CPU)."""
     if cfg.tie_embeddings:
-        logits = table_matmul(xn, params["embed"], preferred_element_type=jnp.float32)
+        logits = table_matmul(xn, params.embed, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.matmul(xn, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.matmul(xn, params.lm_head, preferred_element_type=jnp.float32)
     return cap_logits(logits, cfg)
 
 
@@ -390,8 +409,8 @@ def head_rows(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The LM head's rows at token ids, [..., D] (output-major, as the tied head is): what
     the exit heads' candidate and subset logits read."""
     if cfg.tie_embeddings:
-        return take_rows(params["embed"], ids, cfg.jnp_dtype)
-    return jnp.moveaxis(jnp.take(params["lm_head"], ids, axis=1), 0, -1)
+        return take_rows(params.embed, ids, cfg.jnp_dtype)
+    return jnp.moveaxis(jnp.take(params.lm_head, ids, axis=1), 0, -1)
 
 
 def cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -405,14 +424,14 @@ def cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def final_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm + LM head. h: [..., D] -> logits [..., V] (f32)."""
-    return unembed(params, norm(h, params["final_norm"], cfg), cfg)
+    return unembed(params, norm(h, params.final_norm, cfg), cfg)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Token embeddings [..., D]; times sqrt(d_model) (rounded to the model dtype, as
     transformers does) for families with `cfg.embed_scale` (Gemma). `cfg` is required: every
     path into the layers (dense, paged, evaluation, tuning) must scale alike."""
-    x = take_rows(params["embed"], tokens, cfg.jnp_dtype)
+    x = take_rows(params.embed, tokens, cfg.jnp_dtype)
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
     return x
@@ -450,7 +469,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, *,
 
     x = embed(params, tokens, cfg)
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    x, (hidden, mid) = jax.lax.scan(body, x, (params["layers"], layer_ids))
+    x, (hidden, mid) = jax.lax.scan(body, x, (params.layers, layer_ids))
     logits = final_head(params, x, cfg)
     if return_hidden or return_mid:
         return (logits, *((hidden,) if return_hidden else ()), *((mid,) if return_mid else ()))

@@ -7,7 +7,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 
@@ -18,6 +17,7 @@ from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.formats import gguf
 from ee_jax.models.formats.hf import Placer
 from ee_jax.models.formats.megatron import load_megatron
+from ee_jax.models.params import Params, as_params
 from ee_jax.models.tokenizer import Tokenizer
 
 EXIT_HEADS_DIR = "exit_heads"  # a model folder's own exit heads (`ee-jax convert` writes it)
@@ -26,11 +26,14 @@ EXIT_HEADS_DIR = "exit_heads"  # a model folder's own exit heads (`ee-jax conver
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: Any
+    params: Params  # a mapping of weight keys given here is converted (`as_params`)
     tokenizer: Tokenizer | None
     source: str
     name: str | None = None  # the registry name, when loaded by one
     exits: tuple[ExitConfig, dict] | None = None  # the checkpoint's own (EE-LLM's)
+
+    def __post_init__(self):
+        self.params = as_params(self.params)
 
     def _heads_dir(self) -> Path | None:
         if self.name:

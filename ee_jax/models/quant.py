@@ -33,6 +33,7 @@ import numpy as np
 
 from ee_jax.models import weights
 from ee_jax.models.config import ConfigError
+from ee_jax.models.params import Params
 
 # weight-only: "int8" (per-output-channel scales, `QArray`); "int4" (GGUF Q4_1 blocks of 32
 # inputs, an f16 scale and offset each, `BlockQ`: 0.625 bytes a weight, packed on TPU/GPU)
@@ -311,42 +312,47 @@ def dequantize(w: QArray | BlockQ, dtype=jnp.float32) -> jax.Array:
     return (w.q.astype(jnp.float32) * w.scale[..., None, :]).astype(dtype)
 
 
-def quantize_params(params: dict, quantize: str | None = "int8", *,
-                    consume: bool = False, block_quantize=None) -> dict:
+def quantize_params(params: Params, quantize: str | None = "int8", *,
+                    consume: bool = False, block_quantize=None) -> Params:
     """The layer weights (`QUANTIZED_KEYS`) as QArrays ("int8") or Q4_1 blocks ("int4",
     through `block_quantize(w, kind)`: the GGUF format's, which the caller hands in);
     everything else (embedding, LM head, norms, biases) unchanged. quantize None: `params`
     as they are. Weights already in that form are kept (int4: a GGUF's blocks too).
-    consume=True (a loader's fresh tree): `params["layers"]` is updated in place, so each
-    weight in the model dtype can be freed as soon as its quantized form replaces it (peak:
-    the model in its dtype plus one quantized leaf, not plus the whole quantized model)."""
+    consume=True (a loader's fresh tree, which nothing else holds): `params.layers` is
+    updated in place, so each weight in the model dtype can be freed as soon as its
+    quantized form replaces it (peak: the model in its dtype plus one quantized leaf, not
+    plus the whole quantized model)."""
     if check_quantize(quantize) is None:
         return params
-    layers = params["layers"] if consume else dict(params["layers"])
+    layers = params.layers if consume else dataclasses.replace(params.layers)
+
+    def put(key, w):  # the frozen dataclass's field set in place: `layers` is ours alone
+        object.__setattr__(layers, key, w)
+
     if quantize == "int4":
         if block_quantize is None:
             raise QuantizeError("quantize='int4' needs the GGUF block quantizer: load the "
                                 "model with load_model(..., quantize='int4')")
         for key in QUANTIZED_KEYS:
-            if isinstance(layers[key], QArray):
-                layers[key] = dequantize(layers[key])
-            if not isinstance(layers[key], BlockQ):
-                inputs = layers[key].shape[-2]
+            if isinstance(getattr(layers, key), QArray):
+                put(key, dequantize(getattr(layers, key)))
+            if not isinstance(getattr(layers, key), BlockQ):
+                inputs = getattr(layers, key).shape[-2]
                 if inputs % BLOCK:
                     raise QuantizeError(
                         f"quantize='int4' quantizes each weight in blocks of {BLOCK} inputs, "
                         f"but layer weight {key!r} has {inputs} inputs; use quantize='int8'")
-                layers[key] = block_quantize(np.asarray(layers[key], np.float32), "Q4_1")
-        return params if consume else dict(params, layers=layers)
+                put(key, block_quantize(np.asarray(getattr(layers, key), np.float32), "Q4_1"))
+        return params if consume else params.replace(layers=layers)
     for key in QUANTIZED_KEYS:
-        if isinstance(layers[key], BlockQ):  # int8 of the weight the file's blocks hold
-            layers[key] = dequantize(layers[key])
-        if not isinstance(layers[key], QArray):
-            layers[key] = quantize_weight(layers[key])
-    return params if consume else dict(params, layers=layers)
+        if isinstance(getattr(layers, key), BlockQ):  # int8 of the weight the file's blocks hold
+            put(key, dequantize(getattr(layers, key)))
+        if not isinstance(getattr(layers, key), QArray):
+            put(key, quantize_weight(getattr(layers, key)))
+    return params if consume else params.replace(layers=layers)
 
 
-def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
+def dequantize_params(params: Params, dtype=jnp.float32) -> Params:
     """Every QArray / BlockQ replaced by its dequantized weight in `dtype` (a plain model that
     computes what the packed one does: the tests' reference, and what sharded serving and
     checkpoints take)."""
@@ -354,12 +360,12 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
                         else a, params, is_leaf=lambda a: isinstance(a, QArray | BlockQ))
 
 
-def has_blocks(params: dict) -> bool:
+def has_blocks(params: Params) -> bool:
     return any(isinstance(a, BlockQ) for a in
                jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, BlockQ)))
 
 
-def is_quantized(params: dict) -> bool:
+def is_quantized(params: Params) -> bool:
     return any(isinstance(a, QArray) for a in jax.tree.leaves(params, is_leaf=is_qarray))
 
 

@@ -4,8 +4,10 @@ A weight's shape in the config's terms, its logical axes (what sharding splits),
 a layer matmul weight (what int8 and GGUF blocks hold), the config switch that adds it, and its
 names in Hugging Face and GGUF files. The abstract parameter tree (`llama.param_shapes`),
 `quant.QUANTIZED_KEYS`, `sharding.PARAM_AXES` and both loaders' standard name maps derive from
-`WEIGHTS`: adding a weight (a bias, a norm) is one line here. Family-specific names (Gemma 2's
-norms in Hugging Face files) stay in their format module as overrides.
+`WEIGHTS`: adding a weight (a bias, a norm) is one line here, and its field on the typed tree
+(`params.LayerParams` or `params.Params`; tests/test_weights.py holds the fields to `WEIGHTS`).
+Family-specific names (Gemma 2's norms in Hugging Face files) stay in their format module as
+overrides.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ee_jax.models.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    key: str  # its name in the params tree (under params["layers"] for a layer weight)
+    key: str  # its field in the params tree (`params.Params`; of params.layers for a layer's)
     dims: tuple[str, ...]  # its shape in the config's terms (`DIMS`), input-major
     axes: tuple[str | None, ...]  # its logical axes, one a dim (`sharding.LOGICAL_RULES`)
     layer: bool = True  # one a layer (stacked: a leading layer axis)

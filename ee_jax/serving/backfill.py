@@ -43,10 +43,10 @@ def backfill_kv(params: llama.Params, h: jax.Array, meta: AttentionMetadata, cfg
     below it nothing is ever skipped. With `learned` (back-fill "learned"), each row's
     fitted correction for its exit is added (`backfill_maps.kv_correction`)."""
     if llama.per_layer(params):  # a projection a layer, each reading its own buffers
-        kv = [llama.kv_project(lp, h, meta.positions, cfg) for lp in params["layers"][first:]]
+        kv = [llama.kv_project(lp, h, meta.positions, cfg) for lp in params.layers[first:]]
         ks, vs = (jnp.stack(t) for t in zip(*kv, strict=True))
     else:
-        layers = jax.tree.map(lambda a: a[first:], params["layers"])
+        layers = jax.tree.map(lambda a: a[first:], params.layers)
         ks, vs = jax.vmap(lambda lp: llama.kv_project(lp, h, meta.positions, cfg))(layers)
     if learned is None:
         return ks, vs

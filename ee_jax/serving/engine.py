@@ -72,7 +72,7 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, cfg: ModelConfig, params: llama.Params, tokenizer=None,
+    def __init__(self, cfg: ModelConfig, params: llama.Params | dict, tokenizer=None,
                  config: EngineConfig | None = None,
                  exit_config: ExitConfig | None = None, exit_heads=None, *,
                  mesh: Mesh | None = None):

@@ -446,7 +446,7 @@ class ModelRunner:
     compacted the rows; B x L at full depth).
     """
 
-    def __init__(self, cfg: ModelConfig, params: llama.Params, cache: KVCache,
+    def __init__(self, cfg: ModelConfig, params: llama.Params | dict, cache: KVCache,
                  exit_config: ExitConfig | None = None, exit_heads=None,
                  attention: str = "reference", max_batch: int = 64,
                  mesh: Mesh | None = None, device: jax.Device | None = None,
@@ -469,6 +469,8 @@ class ModelRunner:
         platform = platform or (mesh.devices.flat[0] if mesh is not None else
                                 device or jax.local_devices()[0]).platform
         attention = attention_kernels.backend_name(attention, platform)
+        # what a caller passes (a mapping of weight keys too) as Params, held to cfg's shapes
+        params = llama.check_params(cfg, params, source="the params given")
         params = quant.for_platform(params, platform)  # a GGUF's blocks as this target reads
         if exit_config is not None and exit_config.policy == "per_row" and \
                 not compaction_pays(platform):  # one stage: every row runs to the batch's end

@@ -81,11 +81,11 @@ def paged_layer(params: llama.Params, i, x: jax.Array, cache: KVCache, meta: Att
     if not llama.per_layer(params):  # stacked: the layer's slice of each weight
         lp = llama.layer_params(params, i)
     elif isinstance(i, int | np.integer):  # per layer, a static index: its own buffers
-        lp = params["layers"][int(i)]
+        lp = params.layers[int(i)]
     else:  # per layer, a traced index: each half of the layer a branch a layer, reading
         # that layer's buffers in place; attention (and the cache) between them, in no branch
         # (a cache through a branch can be copied whole, `backfill.write_backfill`)
-        layers = params["layers"]
+        layers = params.layers
         q, k, v = jax.lax.switch(i, [functools.partial(_inputs, lp, cfg) for lp in layers],
                                  x, pos)
         o, cache = layer_attend(q, k, v)

@@ -143,8 +143,10 @@ _TABLES = ("embed",)
 
 
 def _leaf_axes(path) -> tuple[str | None, ...]:
-    """Logical axes of a param leaf from its tree path (the innermost known name wins;
-    a quantized weight's `scale` has the weight's axes without the input axis)."""
+    """Logical axes of a param leaf from its tree path: the innermost name in `PARAM_AXES`
+    wins, a name being a dataclass field's (`Params`, `LayerParams`, `ExitHeads`, a packed
+    weight's) or a dict key (an exit head part's); a quantized weight's `scale` has the
+    weight's axes without the input axis."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     for i in range(len(names) - 1, -1, -1):
         if names[i] in PARAM_AXES:

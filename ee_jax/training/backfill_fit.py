@@ -27,7 +27,7 @@ from ee_jax.models.exits import backfill_maps as bm
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _pre_rope_kv(params, j, h, cfg: ModelConfig) -> jax.Array:
     """Layer j's K/V of input h [N, D] without RoPE: [N, 2 * K * hd] f32."""
-    lp = jax.tree.map(lambda a: a[j], params["layers"])
+    lp = jax.tree.map(lambda a: a[j], params.layers)
     k, v = llama.kv_project(lp, h[:, None], jnp.zeros((h.shape[0], 1), jnp.int32), cfg)
     return jnp.concatenate([k.reshape(h.shape[0], -1), v.reshape(h.shape[0], -1)],
                            axis=-1).astype(jnp.float32)

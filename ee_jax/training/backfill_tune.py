@@ -106,7 +106,7 @@ def served_forward(params, maps: bm.Maps, h_first: jax.Array, exit_at: jax.Array
         x, _ = llama.decoder_layer(lp, x, positions, cfg, attend)
         return (x, frozen), None
 
-    layers = jax.tree.map(lambda w: w[first:], params["layers"])
+    layers = jax.tree.map(lambda w: w[first:], params.layers)
     js = jnp.arange(first, L, dtype=jnp.int32)
     a = jnp.moveaxis(maps["a"], 1, 0)  # [L - first, X, D+1, r]
     b = jnp.moveaxis(maps["b"], 1, 0)

@@ -41,7 +41,7 @@ def _log(msg: str) -> None:
 def _cache_batch(params, tokens, cfg: ModelConfig, exit_layers: tuple[int, ...], k: int):
     logits, hidden = llama.forward(params, tokens, cfg, return_hidden=True)
     hs = hidden[np.asarray(exit_layers) - 1].astype(jnp.bfloat16)  # [E, B, T, D]
-    fin = llama.norm(hidden[-1], params["final_norm"], cfg)  # [B, T, D]
+    fin = llama.norm(hidden[-1], params.final_norm, cfg)  # [B, T, D]
     return hs, fin, jax.lax.top_k(logits, k)[1].astype(jnp.int32)
 
 

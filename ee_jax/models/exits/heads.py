@@ -142,14 +142,15 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
     key = jax.random.PRNGKey(0) if key is None else key
     heads: dict[str, Any] = {}
     if ec.exit_norm:
-        heads["norm"] = jnp.broadcast_to(params["final_norm"], (E, D)).copy()
+        heads["norm"] = jnp.broadcast_to(params.final_norm, (E, D)).copy()
     if ec.head == "branch":
         at = np.asarray(ec.exit_layers) - 1
-        heads["branch"] = {"norm": params["layers"]["mlp_norm"][at],
-                           **{k: params["layers"][k][at] for k in ("w_gate", "w_up", "w_down")}}
+        layers = params.layers
+        heads["branch"] = {"norm": layers.mlp_norm[at], "w_gate": layers.w_gate[at],
+                           "w_up": layers.w_up[at], "w_down": layers.w_down[at]}
     if ec.exit_output:
-        head = (quant.dequantize(params["embed"], cfg.jnp_dtype) if cfg.tie_embeddings
-                else params["lm_head"].T)  # [V, D]
+        head = (quant.dequantize(params.embed, cfg.jnp_dtype) if cfg.tie_embeddings
+                else params.lm_head.T)  # [V, D]
         heads["output"] = jnp.broadcast_to(head, (E, *head.shape)).copy()
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
@@ -318,7 +319,8 @@ def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfi
     if mid is None:
         raise ValueError("a branch exit reads its layer's state after attention: pass mid")
     b = at_slot(heads.branch, slot)
-    return mid + llama.mlp(b, llama.norm(mid, b["norm"], cfg), cfg)
+    return mid + llama.gated_mlp(llama.norm(mid, b["norm"], cfg), b["w_gate"], b["w_up"],
+                                 b["w_down"], cfg)
 
 
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -417,7 +419,7 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
     only when some row needs it (all rows left: no full-vocabulary matmul). final=False:
     rows with slots < 0 get zeros (their final head runs elsewhere: verified exits)."""
     hn = jax.vmap(lambda slot, x: exit_hidden(heads, slot, x, cfg))(jnp.maximum(slots, 0), h)
-    final_h = llama.norm(h, params["final_norm"], cfg)
+    final_h = llama.norm(h, params.final_norm, cfg)
     left = slots >= 0
 
     def tempered(logits):  # each exit row divided by its exit's temperature (final rows: 1)

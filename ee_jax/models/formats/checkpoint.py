@@ -5,6 +5,9 @@ Layout of a checkpoint folder:
     ee_jax_checkpoint.json   format tag, the ModelConfig, the structure of every extra tree
     state/                   one orbax StandardCheckpointer item: {"params": ..., "extra": ...}
 
+The params are saved in their nested-dict form (`Params.to_dict`: {"layers": {"wq": ...},
+"embed": ...}), the layout checkpoints have always had, and restored into `Params`.
+
 The JSON file is written last, so a folder without it is an incomplete save. Restoring builds
 the abstract tree from the stored config (`param_shapes`) and the stored extra structures, and
 checks the saved arrays against it, so a shape or dtype that disagrees fails instead of being
@@ -26,7 +29,13 @@ import jax.numpy as jnp
 from ee_jax.errors import ModelLoadError
 from ee_jax.models import quant
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
-from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
+from ee_jax.models.llama import (
+    Params,
+    ParamsMismatchError,
+    check_params,
+    param_shapes,
+    per_layer,
+)
 
 MARKER = "ee_jax_checkpoint.json"
 FORMAT = "ee-jax-checkpoint"
@@ -100,7 +109,9 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Params,
 
 
     path = Path(path).absolute()
-    check_params(cfg, params, source="params to save")
+    params = check_params(cfg, params, source="params to save")
+    if per_layer(params):  # saved stacked, as restored
+        params = params.replace(layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
     params = quant.dequantize_params(params, cfg.jnp_dtype)
     _check_dtypes(cfg, params)
     extra = dict(extra or {})
@@ -113,7 +124,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: Params,
                 f"{path} is not empty and is not an ee-jax checkpoint; choose another folder")
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {"params": params}
+    state: dict[str, Any] = {"params": params.to_dict()}
     if extra:
         state["extra"] = extra
     with ocp.StandardCheckpointer() as ckptr:
@@ -170,7 +181,7 @@ def restore_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Params, di
     abstract: dict[str, Any] = {
         "params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                               sharding=sharding),
-                               param_shapes(cfg))}
+                               param_shapes(cfg).to_dict())}
     if extra_spec:
         abstract["extra"] = {k: abstract_from_spec(v, sharding) for k, v in extra_spec.items()}
 
@@ -191,6 +202,5 @@ def restore_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, Params, di
         except Exception as e:
             raise ModelLoadError(f"{path / STATE} could not be restored ({type(e).__name__}: "
                                  f"{e}).") from e
-    params = state["params"]
-    check_params(cfg, params, source=str(path))
+    params = check_params(cfg, state["params"], source=str(path))
     return cfg, params, dict(state.get("extra", {}))

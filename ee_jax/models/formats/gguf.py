@@ -47,7 +47,7 @@ from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 from ee_jax.models.quant import BLOCK_KINDS, QUANTIZED_KEYS, BlockQ
 
-# GGUF per-layer tensor name -> our key under params["layers"] (`weights`: declared there).
+# GGUF per-layer tensor name -> our key under params.layers (`weights`: declared there).
 LAYER_TENSORS = {base: key for (base, _), key in weights.gguf_names(layer=True).items()}
 GLOBAL_TENSORS = {w.gguf[0]: w.key for w in weights.WEIGHTS if not w.layer and w.gguf}
 ROPE_FREQS = "rope_freqs.weight"
@@ -444,11 +444,11 @@ def _expected_np_shapes(cfg: ModelConfig, tensors: dict[tuple[str, str], str]
     shapes = param_shapes(cfg)
     out: dict[Any, tuple[int, ...]] = {}
     for gname, key in GLOBAL_TENSORS.items():
-        if key in shapes:
-            out[gname] = tuple(reversed(shapes[key].shape)) if key == "lm_head" else \
-                shapes[key].shape
+        if shapes.weight(key) is not None:
+            out[gname] = tuple(reversed(shapes.weight(key).shape)) if key == "lm_head" else \
+                shapes.weight(key).shape
     for gkey, key in tensors.items():
-        shape = shapes["layers"][key].shape[1:]
+        shape = shapes.weight(key).shape[1:]
         out[gkey] = tuple(reversed(shape))
     return out
 
@@ -486,13 +486,13 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
 
     block_kinds = served_blocks(reader) if blocks else {}
     kept = set(block_kinds) - {"embed"}
-    layers = {key: np.empty((L, *param_shapes(cfg)["layers"][key].shape[1:]), np.float32)
+    layers = {key: np.empty((L, *param_shapes(cfg).weight(key).shape[1:]), np.float32)
               for key in tensors.values() if key not in kept}
     block_parts: dict[str, list] = {key: [None] * L for key in kept}
     seen: set[str] = set()
     bad_shape: set[str] = set()
     unexpected, misshaped = [], []
-    out: Params = {}
+    out: dict[str, Any] = {}  # the global weights by key
     table_kind = None
     todo = [t for t in reader.tensors if t.name != ROPE_FREQS]
     for t in tqdm(todo, desc=f"dequantizing {Path(source).name}", unit="tensor",
@@ -553,11 +553,10 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
                                   "by a converter that does not follow llama.cpp's layout.")
 
     dt = cfg.jnp_dtype
-    params: Params = {k: _block_q([v], table_kind, table=True) if isinstance(v, tuple)
-                      else jnp.asarray(v, dt) for k, v in out.items()}
-    params["layers"] = {k: jnp.asarray(v, dt) for k, v in layers.items()}
+    tree: dict[str, Any] = {k: _block_q([v], table_kind, table=True) if isinstance(v, tuple)
+                            else jnp.asarray(v, dt) for k, v in out.items()}
+    tree["layers"] = {k: jnp.asarray(v, dt) for k, v in layers.items()}
     for key, per_layer in block_parts.items():
         if all(p is not None for p in per_layer):  # else check_params names it missing
-            params["layers"][key] = _block_q(per_layer, block_kinds[key])
-    check_params(cfg, params, source=source)
-    return cfg, params
+            tree["layers"][key] = _block_q(per_layer, block_kinds[key])
+    return cfg, check_params(cfg, tree, source=source)

@@ -32,7 +32,7 @@ from ee_jax.models.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScal
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 from ee_jax.models.safetensors_io import save_file
 
-# Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params["layers"],
+# Hugging Face per-layer tensor (after "model.layers.{i}.") -> our key under params.layers,
 # shared by every family (`weights`: declared there); `Family.tensors` adds or overrides.
 LAYER_TENSORS = weights.hf_names(layer=True)
 GLOBAL_TENSORS = {w.hf: w.key for w in weights.WEIGHTS if not w.layer and w.hf}
@@ -299,12 +299,12 @@ def _expected_hf_shapes(cfg: ModelConfig, tensors: dict[str, str]) -> dict[str, 
     shapes = param_shapes(cfg)
     out = {}
     for name, key in GLOBAL_TENSORS.items():
-        if key in shapes:
-            shape = shapes[key].shape
+        if shapes.weight(key) is not None:
+            shape = shapes.weight(key).shape
             out[name] = tuple(reversed(shape)) if key == "lm_head" else shape
     for i in range(cfg.n_layers):
         for suffix, key in tensors.items():
-            out[f"model.layers.{i}.{suffix}"] = tuple(reversed(shapes["layers"][key].shape[1:]))
+            out[f"model.layers.{i}.{suffix}"] = tuple(reversed(shapes.weight(key).shape[1:]))
     return out
 
 
@@ -380,19 +380,17 @@ def load_hf(folder: str | os.PathLike, dtype: str = "float32",
             w = where[name].get_tensor(name)
             return np.ascontiguousarray((w.T if transpose else w).astype(target, copy=False))
 
-        params: Params = {}
+        tree: dict[str, Any] = {"layers": {}}  # the nested-dict form, checked once below
         for name, key in GLOBAL_TENSORS.items():
             if name in where:  # HF's lm_head is [V, D]: ours is input-major [D, V]
                 a = read(name, name == "lm_head.weight")
-                params[key] = jax.device_put(a, where_to((key,), a.ndim))
-        params["layers"] = {}
+                tree[key] = jax.device_put(a, where_to((key,), a.ndim))
         for suffix, key in tensors.items():
-            shape = (L, *shapes["layers"][key].shape[1:])
+            shape = (L, *shapes.weight(key).shape[1:])
             pieces = (read(f"model.layers.{i}.{suffix}", len(shape) == 3) for i in range(L))
-            params["layers"][key] = device_stack(pieces, shape, target,
-                                                  where_to(("layers", key), len(shape)))
-    check_params(cfg, params, source=str(folder))
-    return cfg, params
+            tree["layers"][key] = device_stack(pieces, shape, target,
+                                               where_to(("layers", key), len(shape)))
+    return cfg, check_params(cfg, tree, source=str(folder))
 
 
 def save_hf(folder: str | os.PathLike, cfg: ModelConfig, params: Params) -> Path:
@@ -406,17 +404,17 @@ def save_hf(folder: str | os.PathLike, cfg: ModelConfig, params: Params) -> Path
         raise UnsupportedModelError(f"save_hf writes plain Llama models; {cfg.name} has "
                                     f"options of another family (biases, extra norms, windows, "
                                     f"RoPE scaling): save it with checkpoint.save_checkpoint")
-    check_params(cfg, params, source=cfg.name)
+    params = check_params(cfg, params, source=cfg.name)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     host = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
     tensors: dict[str, np.ndarray] = {}
     for name, key in GLOBAL_TENSORS.items():
-        if key in params:
-            a = host(params[key])
+        if params.weight(key) is not None:
+            a = host(params.weight(key))
             tensors[name] = np.ascontiguousarray(a.T if key == "lm_head" else a)
     for suffix, key in LAYER_TENSORS.items():
-        stacked = host(params["layers"][key])
+        stacked = host(params.weight(key))
         for i in range(cfg.n_layers):
             a = stacked[i]
             tensors[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a.T if a.ndim == 2

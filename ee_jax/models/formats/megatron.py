@@ -489,25 +489,26 @@ def load_megatron(folder: str | Path, dtype: str = "float32", *, rope_theta: flo
     # Every layer's pieces (views of the mapped files where no merge copies), then each
     # stacked leaf to the device in the file's dtype and laid out there: the host holds one
     # leaf in the file's dtype at a time.
-    pieces: dict[str, list[np.ndarray]] = {k: [] for k in shapes["layers"]}
+    layer_keys = list(shapes.layers.to_dict())  # the config's layer weights
+    pieces: dict[str, list[np.ndarray]] = {k: [] for k in layer_keys}
     for i in range(cfg.n_layers):
         for k, a in layer_tensors(stages, i, cfg, i in trunk_layers).items():
             pieces[k].append(a)
-    params: Params = {"layers": {}}
-    for j, k in enumerate(shapes["layers"]):
-        params["layers"][k] = _to_device(pieces.pop(k), k in TRANSPOSED, target)
+    tree: dict[str, Any] = {"layers": {}}  # the nested-dict form, checked once below
+    for j, k in enumerate(layer_keys):
+        tree["layers"][k] = _to_device(pieces.pop(k), k in TRANSPOSED, target)
         if progress and (j + 1) % 3 == 0:
-            _log(f"  {j + 1}/{len(shapes['layers'])} layer weights", progress)
+            _log(f"  {j + 1}/{len(layer_keys)} layer weights", progress)
     emb_stage, last = stages[0], stages[-1]
     V, D = cfg.vocab_size, cfg.d_model
     one = functools.partial(_to_device, dtype=target, stack=False)
-    params["embed"] = one([emb_stage.rows("embedding", "word_embeddings", "weight",
-                                          shape=(V, D))], False)
+    tree["embed"] = one([emb_stage.rows("embedding", "word_embeddings", "weight",
+                                        shape=(V, D))], False)
     enc = ("encoder",) if last.has("encoder") else ("transformer",)
-    params["final_norm"] = one([last.replicated(*enc, "final_norm.weight", shape=(D,))], False)
+    tree["final_norm"] = one([last.replicated(*enc, "final_norm.weight", shape=(D,))], False)
     if not cfg.tie_embeddings:  # [V, D] in the file, input-major [D, V] here
-        params["lm_head"] = one([last.rows("output_layer", "weight", shape=(V, D))], True)
-    check_params(cfg, params, source=source)
+        tree["lm_head"] = one([last.rows("output_layer", "weight", shape=(V, D))], True)
+    params = check_params(cfg, tree, source=source)
 
     ec = heads = None
     if exits:

@@ -317,9 +317,11 @@ def abstract_params(cfg: ModelConfig, blocks: dict[str, str] | None = None) -> l
                           llama.param_shapes(cfg))
     for key, kind in (blocks or {}).items():
         if key == "embed":
-            params["embed"] = quant.abstract_blocks(params["embed"].shape, kind, table=True)
+            params = params.replace(embed=quant.abstract_blocks(params.embed.shape, kind,
+                                                                table=True))
         else:
-            params["layers"][key] = quant.abstract_blocks(params["layers"][key].shape, kind)
+            params = params.replace(layers=params.layers.replace(**{
+                key: quant.abstract_blocks(params.weight(key).shape, kind)}))
     return params
 
 
