@@ -96,11 +96,66 @@ def replay(cm, ec, seqs: list[list[int]], batch: int) -> float:
     return full / total if total else 1.0
 
 
-def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]:
+def logistic_fit(x: np.ndarray, y: np.ndarray, ridge: float = 1e-2, iters: int = 25
+                 ) -> np.ndarray:
+    """Ridge logistic regression by Newton steps: x [N, P] (a column of ones included),
+    y [N] bool -> weights [P]."""
+    w = np.zeros(x.shape[1])
+    reg = ridge * len(x) * np.eye(x.shape[1])
+    reg[-1, -1] = 0.0  # the intercept is free
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))
+        g = x.T @ (p - y) + reg @ w
+        h = (x * (p * (1 - p))[:, None]).T @ x + reg
+        step = np.linalg.solve(h, g)
+        w -= step
+        if np.abs(step).max() < 1e-6:
+            break
+    return w
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.log(p) - np.log1p(-p)
+
+
+def history_features(conf: np.ndarray, feats: np.ndarray, agree: np.ndarray,
+                     row_of: np.ndarray, history: str) -> np.ndarray:
+    """[E, n, P] inputs of a drafting decision at each exit of each token: the decision's own
+    confidence and candidate features there, the first exit's confidence, which exit it is;
+    with history "start" (the token after a verify step, whose input token the verify step
+    ran at full depth, every exit checked) also whether the previous token's exit heads
+    named the full model's token (at this exit, at any) and its first exit's confidence;
+    "extend" (the previous token is an unverified draft): only its first exit's confidence;
+    "none": no history."""
+    E, n = conf.shape
+    first = np.r_[True, row_of[1:] != row_of[:-1]]  # a row's first token: no history
+    prev = np.maximum(np.arange(n) - 1, 0)
+    cols = [_logit(conf)[..., None], np.asarray(feats, np.float64),
+            np.broadcast_to(_logit(conf[0])[None, :, None], (E, n, 1))]
+    cols.append(np.broadcast_to(np.eye(E)[:, None, :], (E, n, E)))
+    if history != "none":
+        c0 = np.where(first, 0.0, _logit(conf[0])[prev])
+        cols.append(np.broadcast_to(c0[None, :, None], (E, n, 1)))
+    if history == "start":
+        a_here = np.where(first[None], 0.0, agree[:, prev].astype(float))
+        a_any = np.where(first, 0.0, agree[:, prev].any(0).astype(float))
+        cols += [a_here[..., None], np.broadcast_to(a_any[None, :, None], (E, n, 1))]
+    if history != "none":
+        cols.append(np.broadcast_to(first[None, :, None].astype(float), (E, n, 1)))
+    x = np.concatenate([np.asarray(c, np.float64) for c in cols], -1)
+    sd = x.reshape(-1, x.shape[-1]).std(0)
+    x = (x - x.reshape(-1, x.shape[-1]).mean(0)) / np.where(sd > 0, sd, 1.0)  # one ridge scale
+    return np.concatenate([x, np.ones((E, n, 1))], -1)
+
+
+def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts, feats=None) -> list[str]:
     """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
     threshold and the best threshold of a grid, per max_draft; then draft rules fitted on the
     even answers and scored on the odd ones (held apart): one threshold, a threshold per exit
-    (coordinate ascent), and a threshold to start a run beside one to extend it."""
+    (coordinate ascent), a threshold to start a run beside one to extend it, and (given the
+    decision's features) a logistic decision refitted for drafting without and with the
+    row's history (`history_features`), each with its start and extend thresholds."""
     from ee_jax.models.exits import cost as exit_cost
 
     threshold = ec.threshold
@@ -168,6 +223,28 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts) -> list[str]
         sp, a, k = ceiling(rule(ts), d, held, rule(tr))
         out.append(f"start / extend a run, held out | {ts:.3f} / {tr:.3f} | {d} | "
                    f"{k / n_held:.2f} | {a:.3f} | {sp:.2f}x")
+        if feats is None:
+            continue
+        fit_tok = np.isin(row_of, list(fit))
+        prob = {}
+        for h in ("none", "start", "extend"):
+            x = history_features(conf, feats, agree, row_of, h)
+            w = logistic_fit(x[:, fit_tok].reshape(-1, x.shape[-1]),
+                             agree[:, fit_tok].reshape(-1))
+            prob[h] = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))  # [E, n]
+
+        def prule(p, t):
+            hit = p >= t
+            slot = np.where(hit.any(0), np.argmax(hit, 0), -1)
+            return np.where(slot >= 0, E[slot], L), (slot >= 0) & agree[np.maximum(slot, 0), at]
+
+        for name, ps, pr in (("refitted decision, no history", "none", "none"),
+                             ("refitted decision + the row's history", "start", "extend")):
+            ts, tr = max(pairs, key=lambda q, ps=ps, pr=pr: ceiling(
+                prule(prob[ps], q[0]), d, fit, prule(prob[pr], q[1]))[0])
+            sp, a, k = ceiling(prule(prob[ps], ts), d, held, prule(prob[pr], tr))
+            out.append(f"{name}, held out | {ts:.3f} / {tr:.3f} | {d} | {k / n_held:.2f} | "
+                       f"{a:.3f} | {sp:.2f}x")
     for r in out:
         log("verified: " + r)
     return out
@@ -381,7 +458,8 @@ def main(argv=None) -> int:
                          f"{lay.mean():.2f} | {np.mean(lay < L):.0%} | "
                          + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
-        verified[g] = verified_rows(cm, ec, conf, agree, E, L, row_of, n, args.max_drafts)
+        verified[g] = verified_rows(cm, ec, conf, agree, E, L, row_of, n, args.max_drafts,
+                                     feats)
     lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
               "by side, per_row, compute-bound (per row). Deferred: the pending token rides "
               "along in the layers the new token runs (memory-bound: no weight more; "

@@ -120,6 +120,28 @@ def test_exit_ceiling_rules_on_a_hand_made_case():
     assert wrong == 0.25 and lay.mean() < 2.0
 
 
+def test_exit_ceiling_logistic_fit_recovers_a_known_model():
+    """Labels drawn from a known logistic model (numpy's generator): the fit's weights land
+    near the true ones, and the history features see the previous token's agreement."""
+    from bench.exit_ceiling import history_features, logistic_fit
+
+    rng = np.random.default_rng(0)
+    x = np.c_[rng.normal(size=(20000, 2)), np.ones(20000)]
+    true = np.array([1.5, -2.0, 0.5])
+    y = rng.random(20000) < 1 / (1 + np.exp(-x @ true))
+    np.testing.assert_allclose(logistic_fit(x, y, ridge=0.0), true, atol=0.1)
+    conf = np.array([[0.2, 0.9, 0.8], [0.3, 0.95, 0.9]])  # [E=2, n=3], one row
+    agree = np.array([[False, True, False], [True, True, False]])
+    feats = np.zeros((2, 3, 1))
+    start = history_features(conf, feats, agree, np.zeros(3, int), "start")
+    none = history_features(conf, feats, agree, np.zeros(3, int), "none")
+    assert start.shape[-1] == none.shape[-1] + 4  # c0 of t-1, agree here / any, first token
+    # token 2's "agreed here" column at exit 0 is token 1's agree[0] (True), token 1's is
+    # token 0's (False): standardised, True sits above False
+    here = start[0, :, none.shape[-1] - 1 + 1]
+    assert here[2] > here[1]
+
+
 def test_teacher_forced_agreement_counts_positions_after_the_first():
     class Out:  # what the engine returns: its own greedy choice at each forced position
         def __init__(self, predicted):
