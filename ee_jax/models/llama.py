@@ -107,17 +107,18 @@ def check_params(cfg: ModelConfig, params: Params | Mapping[str, Any], *,
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random parameters (tests, benchmarks with same-shape weights). Norms scale by about
-    1 whatever the family's norm rule."""
-    shapes = param_shapes(cfg)
+    1 whatever the family's norm rule. The keys go to the weights in the order of the
+    nested-dict form (sorted names), so a seed gives the same weights as it always has."""
+    shapes = param_shapes(cfg).to_dict()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
     out = []
     for (path, sd), k in zip(leaves, keys, strict=True):
-        if "norm" in path[-1].name:  # a norm weight (attn_norm, final_norm, q_norm, ...)
+        if "norm" in path[-1].key:  # a norm weight (attn_norm, final_norm, q_norm, ...)
             out.append((1.0 - cfg.norm_offset) + 0.1 * jax.random.normal(k, sd.shape, sd.dtype))
         else:
             out.append(scale * jax.random.normal(k, sd.shape, sd.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return as_params(jax.tree_util.tree_unflatten(treedef, out))
 
 
 def _weight_leaf(a) -> bool:
