@@ -497,7 +497,7 @@ def _compile(args) -> int:
         ec = ec.verified(args.max_draft, args.verify_sampling)
     config = EngineConfig.make(**_engine_kwargs(args))
     kinds = ("decode",) if args.decode_only else ("decode", "prefill")
-    blocks = {} if args.dense_weights else aot.plan_blocks(args.model)
+    blocks = aot.plan_blocks(args.model, args.quantize, file_blocks=not args.dense_weights)
     plan = aot.Plan.make(cfg, target, config, ec, every_policy=args.every_policy, kinds=kinds,
                          blocks=blocks)
     verb = "compiling" if target.compiles else "lowering"
@@ -595,6 +595,9 @@ def _add_compile_parser(sub) -> None:
     c.add_argument("--layer-layout", default="auto", choices=LAYER_LAYOUTS,
                    help="how the steps hold the layers' weights: auto (per_layer on CUDA, "
                    "stacked on TPU and CPU), stacked or per_layer")
+    c.add_argument("--quantize", default=None, choices=["int4"],
+                   help="int4: the layer matmul weights in Q4_1 blocks of 32, as "
+                   "load_model(quantize='int4') holds them (int8 is not planned ahead yet)")
     c.add_argument("--early-exit", action=argparse.BooleanOptionalAction, default=True,
                    help="also the exit programs (the shipped heads' config, scaled to a "
                    "random shape's depth)")

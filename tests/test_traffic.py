@@ -220,6 +220,24 @@ def test_tpu_full_depth_decode_moves_the_hand_count():
 
 
 @pytest.mark.real_model
+def test_compile_plans_int4_as_load_model_holds_it():
+    """`ee-jax compile --quantize int4` plans every layer matmul weight in Q4_1 blocks (a
+    random shape), keeps a GGUF's own blocks where the file has them (SmolLM2: its Q8_0
+    embedding stays, its Q4_1 layers stay), and names int8 as not planned."""
+    from ee_jax.models import quant
+
+    assert aot.plan_blocks("random:smollm2-135m", "int4") == \
+        {k: "Q4_1" for k in quant.QUANTIZED_KEYS}
+    assert aot.plan_blocks("random:smollm2-135m") == {}
+    name = "smollm2-135m-instruct"
+    planned = aot.plan_blocks(name, "int4")
+    assert planned["embed"] == "Q8_0" and set(quant.QUANTIZED_KEYS) <= set(planned)
+    assert {k: planned[k] for k in aot.plan_blocks(name)} == aot.plan_blocks(name)
+    assert aot.plan_blocks(name, file_blocks=False) == {}
+    with pytest.raises(ValueError, match="int8"):
+        aot.plan_blocks(name, "int8")
+
+
 def test_a_ggufs_blocks_are_planned_as_the_loader_holds_them():
     """`ee-jax compile` of a GGUF plans its weights in the file's blocks from the header
     alone: the abstract params are the loader's (shapes, dtypes, block kinds), and the hand

@@ -131,6 +131,9 @@ def settle(compile_args: Callable[[tuple], jax.stages.Compiled], args: tuple,
     return args
 
 
+INNER_RELAYOUT_MIN_BYTES = 1 << 20  # `_inner_relayouts`: smaller arrays' copies are left
+
+
 def _inner_relayouts(text: str, entry: list[hlo.Instr]) -> dict[int, Layout]:
     """{entry parameter number: layout} for the parameters a computation other than the
     entry copies whole into another layout (a `copy` of one of its own parameters of exactly
@@ -138,7 +141,9 @@ def _inner_relayouts(text: str, entry: list[hlo.Instr]) -> dict[int, Layout]:
     the entry's copies do not show). Why: TPU's compiler took a stacked packed uint8 weight
     in tiles of (32, 128) and relaid the whole stack out to (8, 128) inside the layer loop,
     every layer, before slicing its layer (SmolLM2's Q4 blocks, batch 1: 1846 MB a step for
-    99.5 by hand). Every entry parameter that matches is moved (wq and wo share a shape)."""
+    99.5 by hand). Every entry parameter that matches is moved (wq and wo share a shape).
+    Arrays under `INNER_RELAYOUT_MIN_BYTES` are left: their copy costs less at run time than
+    the compile round that would move them costs at start-up."""
     by_key: dict[tuple, list[int]] = {}
     for i in entry:
         if i.op == "parameter" and i.layout is not None:
@@ -154,6 +159,8 @@ def _inner_relayouts(text: str, entry: list[hlo.Instr]) -> dict[int, Layout]:
             if i.op != "copy" or i.layout is None or not i.operands or i.operands[0] not in own:
                 continue
             src = own[i.operands[0]]
+            if hlo.shape_bytes(src.dtype, src.dims) < INNER_RELAYOUT_MIN_BYTES:
+                continue
             if src.dtype != i.dtype or src.dims != i.dims or \
                     src.layout.split("S(")[0] == i.layout.split("S(")[0]:
                 continue

@@ -325,13 +325,22 @@ def abstract_params(cfg: ModelConfig, blocks: dict[str, str] | None = None) -> l
     return params
 
 
-def plan_blocks(name: str) -> dict[str, str]:
+def plan_blocks(name: str, quantize: str | None = None, *, file_blocks: bool = True
+                ) -> dict[str, str]:
     """The weights a model named as `plan_model` takes is served in GGUF blocks (a .gguf or
-    a registry GGUF: `gguf.served_blocks`; a random shape: none)."""
-    if name.startswith("random:") or name in MODEL_SHAPES:
-        return {}
-    kind, path = registry.resolve_model(name)
-    return gguf.served_blocks(path) if kind == "gguf" else {}
+    a registry GGUF: `gguf.served_blocks`, unless not `file_blocks`: dense; a random shape:
+    none); quantize "int4": also every layer matmul weight the file does not hold in
+    blocks, in Q4_1 blocks (what `load_model(quantize="int4")` holds)."""
+    if quantize not in (None, "int4"):
+        raise ValueError(f"compile plans quantize='int4' (GGUF Q4_1 blocks), not "
+                         f"{quantize!r}: int8 weights are not planned ahead of time yet")
+    held = {}
+    if file_blocks and not (name.startswith("random:") or name in MODEL_SHAPES):
+        kind, path = registry.resolve_model(name)
+        held = gguf.served_blocks(path) if kind == "gguf" else {}
+    if quantize == "int4":
+        held = {**{k: "Q4_1" for k in quant.QUANTIZED_KEYS}, **held}
+    return held
 
 
 # --------------------------------------------------------------------------- programs
