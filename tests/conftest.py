@@ -36,6 +36,8 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # `_free_compiled_programs` below now prevents. Subprocesses inherit the setting.
 os.environ.setdefault("EE_JAX_COMPILATION_CACHE", "")
 
+import contextlib
+import functools
 import gc
 
 import jax
@@ -154,6 +156,26 @@ def smollm2_hf(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once(smollm2_gguf):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once(path):
+    """transformers' GGUF load parses the file's metadata twice and builds gguf's tensor-name
+    map once a tensor (~14 s of its ~20 on a 2-core CPU): here the file's `gguf.GGUFReader`
+    is the one this process already holds, and the name map is built once. The same gguf
+    objects, so the oracle reads the file as before."""
+    from unittest import mock
+
+    import gguf
+
+    from ee_jax.models.gguf_file import open_reader
+
+    open_reader(path)  # parsed (or already held) before gguf.GGUFReader is replaced
+    with mock.patch.object(gguf, "GGUFReader", lambda p, *a, **k: open_reader(p)), \
+            mock.patch.object(gguf, "get_tensor_name_map",
+                              functools.lru_cache(gguf.get_tensor_name_map)):
+        yield

@@ -14,6 +14,7 @@ from ee_jax.models import registry
 from ee_jax.models.formats.checkpoint import restore_checkpoint, save_checkpoint
 from ee_jax.models.formats.gguf import load_gguf
 from ee_jax.models.formats.hf import config_from_hf, load_hf
+from ee_jax.models.gguf_file import open_reader
 from ee_jax.models.llama import ParamsMismatchError, cast_params
 from tests.test_loaders import gguf_tiny_model, make_hf_model, tiny_model, write_tiny_gguf
 
@@ -34,6 +35,21 @@ def test_gguf_missing_file(tmp_path):
         load_gguf(tmp_path / "nope.gguf")
     with pytest.raises(ModelLoadError, match="it is a folder"):
         load_gguf(tmp_path)
+
+
+def test_a_gguf_rewritten_in_place_is_read_again(tiny_gguf, tmp_path):
+    """A file opened twice is parsed once; the same path rewritten (other bytes) is read
+    afresh, and one cut short then is refused, not served from the reader kept before."""
+    path, cfg, params = tiny_gguf
+    first = open_reader(path)
+    assert open_reader(path) is first
+    write_tiny_gguf(path, cfg, params, Q.F32)  # the same name, other weights
+    again = open_reader(path)
+    assert again is not first
+    assert {t.tensor_type for t in again.tensors} != {t.tensor_type for t in first.tensors}
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        open_reader(path)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.97, 0.01])

@@ -452,7 +452,7 @@ def test_sentencepiece_without_space_prefix(tmp_path):
 
 
 def test_missing_files_raise_model_load_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="no GGUF file"):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
         Tokenizer.from_gguf(tmp_path / "absent.gguf")
     with pytest.raises(ModelLoadError, match=r"no tokenizer\.json"):
         Tokenizer.from_file(tmp_path)
@@ -462,7 +462,7 @@ def test_missing_files_raise_model_load_error(tmp_path):
 
 def test_corrupt_files_raise_model_load_error(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"this is not a gguf file at all" * 4)
-    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
         Tokenizer.from_gguf(tmp_path / "junk.gguf")
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"not a valid tokenizer\.json"):

@@ -243,9 +243,8 @@ def test_a_ggufs_blocks_are_planned_as_the_loader_holds_them():
     alone: the abstract params are the loader's (shapes, dtypes, block kinds), and the hand
     count's weights are what the loaded model holds on the target (Q4 one value a byte on
     CPU, packed on TPU and GPU)."""
-    import gguf
-
     from ee_jax.models import quant, registry
+    from ee_jax.models.gguf_file import open_reader
     from ee_jax.models.loading import load_model
     from ee_jax.serving.plan import EngineConfig
 
@@ -262,7 +261,7 @@ def test_a_ggufs_blocks_are_planned_as_the_loader_holds_them():
 
     assert sig(quant.for_platform(planned, "cpu")) == sig(model.params)  # loaded here
     # on TPU at the file's own size: its block tensors' bytes, and the f32 norms
-    reader = gguf.GGUFReader(registry.resolve_model(name)[1])
+    reader = open_reader(registry.resolve_model(name)[1])  # the loader's, parsed once
     file_blocks = sum(int(t.n_bytes) for t in reader.tensors
                       if t.tensor_type.name in set(blocks.values()))
     norms = (2 * cfg.n_layers + 1) * cfg.d_model * 4

@@ -66,6 +66,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from ee_jax.errors import EEJaxError, ModelLoadError, TokenizationError, UnsupportedModelError
+from ee_jax.models.gguf_file import open_reader
 
 Compat = Literal["transformers", "llama.cpp"]
 
@@ -394,13 +395,7 @@ class IncrementalDecoder:
 def _open_gguf(path_or_reader) -> tuple[Any, str]:
     if isinstance(path_or_reader, gguf.GGUFReader):
         return path_or_reader, "the GGUF file"
-    path = Path(path_or_reader)
-    if not path.is_file():
-        raise ModelLoadError(f"no GGUF file at {path}")
-    try:
-        return gguf.GGUFReader(path), str(path)
-    except Exception as e:  # gguf raises ValueError, struct.error, IndexError...
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    return open_reader(path_or_reader), str(path_or_reader)
 
 
 class _GGUFMetadata:

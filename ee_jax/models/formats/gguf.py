@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models import weights
 from ee_jax.models.config import ConfigError, ModelConfig, RopeScaling
+from ee_jax.models.gguf_file import open_reader
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 from ee_jax.models.quant import BLOCK_KINDS, QUANTIZED_KEYS, BlockQ
 
@@ -105,34 +106,6 @@ def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def _open(path: str | os.PathLike):
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        hint = " (it is a folder: pass the .gguf file inside it)" if path.is_dir() else ""
-        raise ModelLoadError(f"GGUF file not found: {path}{hint}. Check the path, or pass a "
-                             "registry name such as 'smollm2-135m-instruct'.")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'. "
-                             "Pass a .gguf model file (llama.cpp format).")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError/IndexError/KeyError/... on bad bytes
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF file: it is truncated or corrupt ({type(e).__name__}: "
-            f"{e}). Download it again (compare its size/checksum with the source).") from e
-    size = path.stat().st_size
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ModelLoadError(f"{path} is truncated: its tensors need {end} bytes but the file has "
-                             f"{size}. Download it again.")
-    return reader
 
 
 def _source(reader) -> str:
@@ -203,7 +176,7 @@ def served_blocks(path_or_reader) -> dict[str, str]:
     """The weights a GGUF's model is served in its own blocks (`load_gguf(blocks=True)`), by
     parameter key -> block kind, from the header alone: a layer matmul weight every layer of
     which is one of `BLOCK_TYPES`, and "embed" (the token embedding and tied head) if it is."""
-    reader = path_or_reader if hasattr(path_or_reader, "tensors") else _open(path_or_reader)
+    reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_reader(path_or_reader)
     tensors = layer_tensors(_value(reader, "general.architecture"))
     types: dict[str, set[str]] = {}
     for t in reader.tensors:
@@ -341,7 +314,7 @@ def _rope_scaling_from_freqs(factors: np.ndarray, rope_theta: float, head_dim: i
 
 def gguf_config(path_or_reader, dtype: str = "float32") -> ModelConfig:
     """The `ModelConfig` a llama GGUF file describes (metadata plus a few tensor shapes)."""
-    reader = path_or_reader if hasattr(path_or_reader, "tensors") else _open(path_or_reader)
+    reader = path_or_reader if hasattr(path_or_reader, "tensors") else open_reader(path_or_reader)
     source = _source(reader)
     arch = _value(reader, "general.architecture")
     if arch not in ARCHS:
@@ -474,7 +447,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", *,
     matmul weight stored in one of `BLOCK_TYPES` in every layer stays in its blocks
     (`quant.BlockQ`, dequantized bit-exactly inside the step; the file's own bytes).
     """
-    reader = _open(path)
+    reader = open_reader(path)
     source = str(path)
     cfg = gguf_config(reader, dtype=dtype)
     arch = ARCHS[_value(reader, "general.architecture")]

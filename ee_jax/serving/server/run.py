@@ -87,6 +87,11 @@ class BackgroundServer:
             time.sleep(0.02)
         return self
 
+    @property
+    def running(self) -> bool:
+        """The server's thread is alive (until `stop` has shut it down)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 30.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout)

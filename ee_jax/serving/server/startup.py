@@ -73,6 +73,8 @@ class Startup:
         self._done = threading.Event()
         self._callbacks: list[Callable[[], None]] = []
         self._cancelled = False
+        self._started = False
+        # the thread building the engine; None where `start` ran it inline (nothing to wait for)
         self._thread: threading.Thread | None = None
         self._t0 = time.monotonic()
         self._ready_at: float | None = None
@@ -124,11 +126,12 @@ class Startup:
         """Build and warm up the engine, then `attach` it: in a background thread, or here
         when there is nothing slow to do (an engine given built, with no warm-up: ready when
         this returns)."""
-        if self._thread is not None:
+        if self._started:
             raise RuntimeError("this Startup was started already (one per server)")
+        self._started = True
         self._t0 = time.monotonic()
         if self.engine is not None and not self.precompile:
-            self._thread = threading.current_thread()
+            # inline: the caller's thread (the server's) is not ours to wait for at shutdown
             self._run(attach)
             return
         self._thread = threading.Thread(target=self._run, args=(attach,),
