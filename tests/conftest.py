@@ -106,14 +106,17 @@ def _free_compiled_programs():
     gc.collect()
 
 
-# The files that take a minute or more (fresh clone, 2026-12-03), longest first: under
-# `--dist loadfile` the processes take files in collection order, so run these first and the
-# short ones fill in after (alphabetically, test_sharding / test_shipped_heads / test_smollm2
-# came last and one process waited on them alone).
-LONG_FILES = ("test_lowering.py", "test_smollm2.py", "test_multihost.py", "test_per_row.py",
-              "test_shipped_heads.py", "test_sharding.py", "test_program_cache.py",
-              "test_notebook.py", "test_families.py", "test_exit_decision.py",
-              "test_engine.py", "test_ragged_prefill.py", "test_early_exit.py")
+# The files that take half a minute or more, longest first (per-file totals of
+# `--durations=0` under `make test`, 2026-12-06, AMD EPYC): under `--dist loadfile` the
+# processes take files in collection order, so run these first and the short ones fill in
+# after (alphabetically, test_verified_exits came last and one process ran it alone).
+LONG_FILES = ("test_lowering.py", "test_verified_exits.py", "test_smollm2.py",
+              "test_layer_layout.py", "test_megatron.py", "test_sharding.py", "test_per_row.py",
+              "test_load_memory.py", "test_multihost.py", "test_families.py",
+              "test_exit_decision.py", "test_ragged_prefill.py", "test_traffic.py",
+              "test_server.py", "test_program_cache.py", "test_shipped_heads.py",
+              "test_loaders.py", "test_tuning.py", "test_engine.py", "test_early_exit.py",
+              "test_notebook.py")
 
 
 def pytest_collection_modifyitems(config, items):
