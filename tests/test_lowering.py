@@ -641,3 +641,40 @@ def test_a_stacked_packed_weight_is_not_relaid_out_inside_the_layer_loop():
     assert stack_copies(text) == []
     weights = L * O * I / 2 + L * O * I / 32 * 2
     assert traffic.count(text).bytes < 1.3 * weights
+
+
+@needs_libtpu
+def test_a_block_tables_one_row_product_runs_as_two_rows_on_tpu():
+    """The tied head over a Q8_0 table at batch 1, compiled for TPU v5e: one row is a
+    multiply-reduce that the compiler feeds an f32 operand the table's size (its scales
+    broadcast; SmolLM2's batch-1 step read 306.8 MB for 99.5 by hand); the table as
+    `for_platform` holds it for TPU runs the product as two rows, a dot over the table's own
+    bytes: no table-sized f32 array, and about the table read once."""
+    from ee_jax.models import quant
+    from ee_jax.serving import hlo
+    from ee_jax.serving.aot import traffic
+
+    V, D = 8192, 576
+    dev = jax.sharding.SingleDeviceSharding(aot.target_devices(aot.parse_target("tpu:v5e"))[0])
+    table = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                         quant.abstract_blocks((V, D), "Q8_0", table=True))
+    x = jax.ShapeDtypeStruct((1, D), jnp.bfloat16, sharding=dev)
+
+    def compiled(t):
+        fn = jax.jit(lambda t, x: quant.table_matmul(x, t, preferred_element_type=jnp.float32))
+        return fn.lower(t, x).compile().as_text()
+
+    def table_sized_f32(text):
+        return [i for lines in hlo.computations(text).values() for i in hlo.instructions(lines)
+                if i.dtype == "f32" and i.dims is not None and
+                int(np.prod(i.dims)) == V * D]
+
+    one_row = compiled(table)
+    assert table.min_rows == 1 and table_sized_f32(one_row), \
+        "TPU's compiler fuses the one-row product now: drop TABLE_MIN_ROWS['tpu']"
+    held = quant.for_platform(table, "tpu")
+    assert held.min_rows == 2
+    text = compiled(held)
+    assert table_sized_f32(text) == []
+    table_bytes = V * D + V * (D // quant.BLOCK) * 2  # int8 values, an f16 scale a block
+    assert traffic.count(text).bytes < 1.3 * table_bytes
