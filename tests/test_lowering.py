@@ -678,3 +678,4 @@ def test_a_block_tables_one_row_product_runs_as_two_rows_on_tpu():
     assert table_sized_f32(text) == []
     table_bytes = V * D + V * (D // quant.BLOCK) * 2  # int8 values, an f16 scale a block
     assert traffic.count(text).bytes < 1.3 * table_bytes
+

@@ -192,9 +192,12 @@ UNPACKED_PLATFORMS = ("cpu",)
 
 # TPU's compiler runs a one-row product with a block table (the tied LM head at batch 1) as a
 # multiply-reduce fed an f32 operand the table's size (its scales broadcast, 113 MB for
-# SmolLM2's Q8_0 head, in VMEM), and two rows as a dot: `ee-jax compile --model
+# SmolLM2's Q8_0 head, in VMEM), and two rows as a dot. `ee-jax compile --model
 # smollm2-135m-instruct --target tpu:v5e --decode-only --max-num-seqs 8 --max-model-len 256
-# --no-early-exit`, batch 1, 306.8 -> 150.2 MB (99.5 by hand). CPU fuses the one row best.
+# --no-early-exit`, batch 1: 306.8 -> 150.2 MB (99.5 by hand). The one-id embedding lookup
+# padded the same way read 121.9 there, but 1130.9 (against 163.5) with the layouts picked for
+# a batch-2 step (`--max-num-seqs 2 --max-model-len 64`): the chunked head then relaid the
+# table out every chunk, so lookups are not padded. CPU fuses the one row best.
 TABLE_MIN_ROWS = {"tpu": 2}
 
 
@@ -281,6 +284,8 @@ def table_matmul(x: jax.Array, table: jax.Array | BlockQ, preferred_element_type
         x2 = x.reshape(rows, x.shape[-1])
         x2 = jnp.concatenate([x2, jnp.broadcast_to(x2[:1], (table.min_rows - rows,
                                                             x2.shape[-1]))])
+        # the barrier keeps XLA from seeing the copies and reducing the product to one row
+        x2 = jax.lax.optimization_barrier(x2)
         y = table_matmul(x2, table, preferred_element_type=preferred_element_type)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
     V = table.q_t.shape[-2]
