@@ -6,6 +6,7 @@ step programs.
     python -m bench.kernels int8 [--random] [--batches 1 8] [--prompts 8] [--new-tokens 32]
     python -m bench.kernels blocks [--model smollm2-135m-instruct] [--batches 1 8 32]
     python -m bench.kernels llama-cpp [--threads 2] [--context 255]   # needs llama-cpp-python
+    python -m bench.kernels q4-unpack [--rows 1 2 8] [--rounds 3]
     python -m bench.kernels collectives [--batch 8] [--tp 1 2 4 8]
     python -m bench.kernels kv-layout [--model random:smollm2-135m] [--target tpu:v5e]
     JAX_PLATFORMS=cpu .venv-cuda-aot/bin/python -m bench.kernels kv-layout --target cuda:h100
@@ -49,6 +50,15 @@ blocks against dequantized to f32, and each block storage choice: the head as a 
 or in f32; Q4 layer weights one value a byte (what CPU holds: `quant.for_platform`) or two a
 byte (the file's bytes, what TPU and GPU hold). Weight bytes a full-depth decode step reads
 and its time (`speed` above); the same weights bit for bit, so the same tokens.
+
+q4-unpack: how XLA's CPU backend runs a product with Q4_1 blocks for each way of holding the
+4-bit values: one a byte (what CPU holds), or packed two a byte in the file's order (a
+block's inputs 0-15 low nibbles, 16-31 high: unpacked by a concatenate, as TPU and GPU read
+them; or by one shift of the byte broadcast over the two halves), or packed planar (byte j
+of a row holds input j and input j + in/2: each half a plain elementwise function of the
+bytes). One jitted call runs SmolLM2's up projection ([rows, 576] x [576, 1536], random
+blocks) for 30 layers of a stacked weight in a `fori_loop`; the least of `--rounds` rounds
+of the mean of `--repeats` calls, each form's MiB of weights beside its time.
 
 llama-cpp: ee-jax against llama.cpp (llama-cpp-python, built from source for this CPU) on
 the same GGUF file at batch 1: ms a decoded token and the weight bytes each reads a token.
@@ -452,10 +462,99 @@ def llama_cpp(args) -> None:
           f"{(layers + head) / 2**20:.0f} (layers + head, {held}) | {theirs_s / ours:.2f}x |")
 
 
-def _gguf_tensors(path):
-    from gguf import GGUFReader
+# --------------------------------------------------------------------------- q4-unpack
 
-    return GGUFReader(str(path)).tensors
+
+def q4_unpack_args(p) -> None:
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def q4_forms(w) -> dict:
+    """name -> (weight, product x @ w) of each way of holding `w`'s (packed Q4_1) values."""
+    from ee_jax.models import quant
+
+    *_, out, half = w.q_t.shape
+    inp, nb = 2 * half, w.scale_t.shape[-1]
+
+    def scaled(v, scale, offset):  # [out, n, 32] values -> f32 [out, n * 32]
+        t = v.astype(jnp.float32) * scale.astype(jnp.float32)[..., None] + \
+            offset.astype(jnp.float32)[..., None]
+        return t.reshape(out, -1)
+
+    def shifted(x, w):
+        p = w.q_t.reshape(out, nb, 1, quant.BLOCK // 2)
+        v = (p >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & 0x0F
+        return quant.out_major_matmul(x, scaled(v.reshape(out, nb, quant.BLOCK), w.scale_t,
+                                                w.offset_t))
+
+    def planar(x, w):  # q_t [out, in/2]: byte j holds input j (low) and j + in/2 (high)
+        h = nb // 2
+        lo = scaled((w.q_t & 0x0F).reshape(out, h, quant.BLOCK), w.scale_t[..., :h],
+                    w.offset_t[..., :h])
+        hi = scaled((w.q_t >> 4).reshape(out, h, quant.BLOCK), w.scale_t[..., h:],
+                    w.offset_t[..., h:])
+        return (quant.out_major_matmul(x[..., :inp // 2], lo)
+                + quant.out_major_matmul(x[..., inp // 2:], hi))
+
+    one = quant.unpack(w)
+    v = one.q_t.astype(jnp.uint8)  # [L, out, in], values 0-15
+    planar_q = (v[..., :inp // 2] | (v[..., inp // 2:] << 4)).astype(jnp.uint8)
+    return {"one a byte (CPU)": (one, quant.linear),
+            "packed, file order (concatenate)": (w, quant.linear),
+            "packed, file order (broadcast shift)": (w, shifted),
+            "packed planar": (dataclasses.replace(w, q_t=planar_q), planar)}
+
+
+def q4_unpack(args) -> None:
+    """Each way of holding Q4 values, timed in one process at each row count."""
+    from ee_jax.models import quant
+
+    L, D, F = args.layers, 576, 1536
+    rng = np.random.default_rng(0)
+    w = quant.BlockQ(jnp.asarray(rng.integers(0, 256, (L, F, D // 2), dtype=np.uint8)),
+                     jnp.asarray(rng.random((L, F, D // 32)).astype(np.float16)),
+                     jnp.asarray(rng.random((L, F, D // 32)).astype(np.float16)),
+                     kind="Q4_1", packed=True)
+    forms = q4_forms(w)
+    load = other_load(1.0)
+    times: dict[tuple[str, int], float] = {}
+    for rows in args.rows:
+        x = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
+        fns = {}
+        for name, (held, product) in forms.items():
+            def step(x, held, product=product):
+                def layer(i, y):
+                    return y + product(x, jax.tree.map(lambda a: a[i], held)).sum()
+                return jax.lax.fori_loop(0, L, layer, jnp.float32(0))
+            fns[name] = jax.jit(step)
+            fns[name](x, held).block_until_ready()  # compile apart
+        log(f"q4-unpack: {rows} rows compiled; timing")
+        for name, (held, _) in forms.items():
+            best = math.inf
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                for _ in range(args.repeats):
+                    fns[name](x, held).block_until_ready()
+                best = min(best, (time.perf_counter() - t0) / args.repeats)
+            times[name, rows] = best
+    print(f"\n{cpu_model()} ({num_cpus()} CPUs, other processes using {100 * load:.0f}% of "
+          f"them as timing started); [rows, {D}] x [{D}, {F}] Q4_1, {L} layers a call\n")
+    base = "one a byte (CPU)"
+    print("| storage | weight MiB | " + " | ".join(f"ms ({r} rows)" for r in args.rows) + " |")
+    print("|---|---|" + "---|" * len(args.rows))
+    for name, (held, _) in forms.items():
+        cells = " | ".join(f"{1000 * times[name, r]:.2f} ({times[name, r] / times[base, r]:.1f}x)"
+                           for r in args.rows)
+        print(f"| {name} | {held.nbytes / 2**20:.1f} | {cells} |")
+
+
+def _gguf_tensors(path):
+    from ee_jax.models.gguf_file import open_reader
+
+    return open_reader(path).tensors
 
 
 def _repack(w):
@@ -593,6 +692,7 @@ def kv_layout(args) -> None:
 
 MODES = {"attention": (attention_args, attention), "int8": (int8_args, int8),
          "blocks": (blocks_args, blocks), "llama-cpp": (llama_cpp_args, llama_cpp),
+         "q4-unpack": (q4_unpack_args, q4_unpack),
          "collectives": (collectives_args, collectives),
          "kv-layout": (kv_layout_args, kv_layout)}
 

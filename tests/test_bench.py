@@ -3,6 +3,7 @@ reference's greedy tokens, hand-computed ideals, numpy. No timing is asserted.""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -183,3 +184,26 @@ def test_every_mode_of_a_benchmark_parses_its_arguments(module, capsys):
             module.main([mode, "--help"])
         assert e.value.code == 0
         assert f"{module.__name__} {mode}" in capsys.readouterr().out
+
+
+def test_q4_unpack_forms_compute_the_dequantized_product():
+    """Every way `python -m bench.kernels q4-unpack` holds the Q4 values is the same weight:
+    each product equals x @ w with w dequantized by numpy from the file's bytes."""
+    from ee_jax.models import quant
+
+    rng = np.random.default_rng(0)
+    L, F, D = 2, 64, 128
+    q = rng.integers(0, 256, (L, F, D // 2), dtype=np.uint8)
+    scale = rng.random((L, F, D // 32)).astype(np.float16)
+    offset = rng.random((L, F, D // 32)).astype(np.float16)
+    # numpy from the file's order: a block's 16 bytes hold inputs 0-15 low, 16-31 high
+    b = q.reshape(L, F, D // 32, 16)
+    v = np.concatenate([b & 15, b >> 4], -1).astype(np.float32)
+    w = (v * scale[..., None] + offset[..., None]).reshape(L, F, D)  # [L, out, in]
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    forms = kernels.q4_forms(quant.BlockQ(q, scale, offset, kind="Q4_1", packed=True))
+    assert len(forms) == 4
+    for name, (held, product) in forms.items():
+        for i in range(L):
+            got = np.asarray(product(x, jax.tree.map(lambda a, i=i: a[i], held)))
+            np.testing.assert_allclose(got, x @ w[i].T, rtol=1e-5, atol=1e-4, err_msg=name)
