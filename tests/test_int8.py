@@ -108,11 +108,13 @@ def test_check_params_accepts_the_int8_tree_and_still_checks_shapes():
         wq=quant.quantize_weight(PARAMS.layers.wq[:, :-1])))
     with pytest.raises(llama.ParamsMismatchError, match="wq"):
         llama.check_params(CFG, bad)
-    # consume=True updates the given tree (a loader's) in place, to the same int8 weights.
-    fresh = PARAMS.replace(layers=PARAMS.layers.replace())
-    assert quant.quantize_params(fresh, consume=True) is fresh
-    np.testing.assert_array_equal(np.asarray(fresh.layers.w_up.q),
+    # a loader's own dict of weights is quantized in place, to the same int8 weights, and
+    # the Params given are left as they were
+    fresh = PARAMS.layers.to_dict()
+    quant.quantize_layers(fresh, "int8")
+    np.testing.assert_array_equal(np.asarray(fresh["w_up"].q),
                                   np.asarray(QPARAMS.layers.w_up.q))
+    assert fresh["attn_norm"] is PARAMS.layers.attn_norm
     assert not isinstance(PARAMS.layers.w_up, quant.QArray)
     # Quantizing twice keeps the int8 weights; casting keeps them int8.
     assert quant.quantize_params(QPARAMS).layers.wq is QPARAMS.layers.wq

@@ -92,8 +92,10 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *,
         cfg, params = registry.load_params(name_or_path, dtype=dtype,
                                            placement=None if quantize else placement,
                                            blocks=blocks and quantize in (None, "int4"))
-    params = quant.quantize_params(params, quantize, consume=True,  # a leaf at a time
-                                   block_quantize=gguf.block_quantize)
+    if quant.check_quantize(quantize) is not None:  # a leaf at a time: the loader's own tree
+        tree, params = params.to_dict(), None
+        quant.quantize_layers(tree["layers"], quantize, block_quantize=gguf.block_quantize)
+        params = as_params(tree)
     # block weights as this machine's steps read them best (CPU: one value a byte)
     params = quant.for_platform(params, jax.default_backend())
     given, tokenizer = tokenizer, None

@@ -339,43 +339,49 @@ def dequantize(w: QArray | BlockQ, dtype=jnp.float32) -> jax.Array:
 
 
 def quantize_params(params: Params, quantize: str | None = "int8", *,
-                    consume: bool = False, block_quantize=None) -> Params:
+                    block_quantize=None) -> Params:
     """The layer weights (`QUANTIZED_KEYS`) as QArrays ("int8") or Q4_1 blocks ("int4",
     through `block_quantize(w, kind)`: the GGUF format's, which the caller hands in);
     everything else (embedding, LM head, norms, biases) unchanged. quantize None: `params`
-    as they are. Weights already in that form are kept (int4: a GGUF's blocks too).
-    consume=True (a loader's fresh tree, which nothing else holds): `params.layers` is
-    updated in place, so each weight in the model dtype can be freed as soon as its
-    quantized form replaces it (peak: the model in its dtype plus one quantized leaf, not
-    plus the whole quantized model)."""
+    as they are. Weights already in that form are kept (int4: a GGUF's blocks too). A loader
+    that holds the only reference to its weights quantizes them one at a time instead
+    (`quantize_layers`)."""
     if check_quantize(quantize) is None:
         return params
-    layers = params.layers if consume else dataclasses.replace(params.layers)
+    layers = {k: getattr(params.layers, k) for k in QUANTIZED_KEYS}
+    quantize_layers(layers, quantize, block_quantize=block_quantize)
+    return params.replace(layers=params.layers.replace(**layers))
 
-    def put(key, w):  # the frozen dataclass's field set in place: `layers` is ours alone
-        object.__setattr__(layers, key, w)
 
-    if quantize == "int4":
-        if block_quantize is None:
-            raise QuantizeError("quantize='int4' needs the GGUF block quantizer: load the "
-                                "model with load_model(..., quantize='int4')")
-        for key in QUANTIZED_KEYS:
-            if isinstance(getattr(layers, key), QArray):
-                put(key, dequantize(getattr(layers, key)))
-            if not isinstance(getattr(layers, key), BlockQ):
-                inputs = getattr(layers, key).shape[-2]
-                if inputs % BLOCK:
-                    raise QuantizeError(
-                        f"quantize='int4' quantizes each weight in blocks of {BLOCK} inputs, "
-                        f"but layer weight {key!r} has {inputs} inputs; use quantize='int8'")
-                put(key, block_quantize(np.asarray(getattr(layers, key), np.float32), "Q4_1"))
-        return params if consume else params.replace(layers=layers)
+def quantize_layers(layers: dict[str, Any], quantize: str, *, block_quantize=None) -> None:
+    """`quantize_params` on a dict of layer weights by key (a loader's own, before it becomes
+    `Params`), each replaced in place as it is quantized: a weight in the model dtype is freed
+    as soon as its quantized form replaces it (peak: the model in its dtype plus one
+    quantized leaf, not plus the whole quantized model)."""
+    if check_quantize(quantize) is None:
+        return
     for key in QUANTIZED_KEYS:
-        if isinstance(getattr(layers, key), BlockQ):  # int8 of the weight the file's blocks hold
-            put(key, dequantize(getattr(layers, key)))
-        if not isinstance(getattr(layers, key), QArray):
-            put(key, quantize_weight(getattr(layers, key)))
-    return params if consume else params.replace(layers=layers)
+        w = layers.get(key)
+        if w is None:
+            continue
+        if quantize == "int4":
+            if isinstance(w, BlockQ):
+                continue
+            if block_quantize is None:
+                raise QuantizeError("quantize='int4' needs the GGUF block quantizer: load the "
+                                    "model with load_model(..., quantize='int4')")
+            if isinstance(w, QArray):
+                w = dequantize(w)
+            if w.shape[-2] % BLOCK:
+                raise QuantizeError(
+                    f"quantize='int4' quantizes each weight in blocks of {BLOCK} inputs, but "
+                    f"layer weight {key!r} has {w.shape[-2]} inputs; use quantize='int8'")
+            layers[key] = block_quantize(np.asarray(w, np.float32), "Q4_1")
+        elif not isinstance(w, QArray):
+            if isinstance(w, BlockQ):  # int8 of the weight the file's blocks hold
+                w = dequantize(w)
+            layers[key] = quantize_weight(w)
+        del w  # the last reference to the weight in the model dtype
 
 
 def dequantize_params(params: Params, dtype=jnp.float32) -> Params:
