@@ -194,10 +194,10 @@ UNPACKED_PLATFORMS = ("cpu",)
 # multiply-reduce fed an f32 operand the table's size (its scales broadcast, 113 MB for
 # SmolLM2's Q8_0 head, in VMEM), and two rows as a dot. `ee-jax compile --model
 # smollm2-135m-instruct --target tpu:v5e --decode-only --max-num-seqs 8 --max-model-len 256
-# --no-early-exit`, batch 1: 306.8 -> 150.2 MB (99.5 by hand). The one-id embedding lookup
-# padded the same way read 121.9 there, but 1130.9 (against 163.5) with the layouts picked for
-# a batch-2 step (`--max-num-seqs 2 --max-model-len 64`): the chunked head then relaid the
-# table out every chunk, so lookups are not padded. CPU fuses the one row best.
+# --no-early-exit`, batch 1: 306.8 -> 150.2 MB (99.5 by hand). The one-id embedding lookup is
+# not padded: tried, it read less there but several times more with the layouts picked for a
+# batch-2 step (`--max-num-seqs 2 --max-model-len 64`), where the chunked head then relaid
+# the whole table out every chunk. CPU fuses the one row best.
 TABLE_MIN_ROWS = {"tpu": 2}
 
 
