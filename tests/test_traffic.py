@@ -230,7 +230,7 @@ def test_compile_plans_int4_as_load_model_holds_it():
         {k: "Q4_1" for k in quant.QUANTIZED_KEYS}
     assert aot.plan_blocks("random:smollm2-135m") == {}
     name = "smollm2-135m-instruct"
-    planned, held = aot.plan_blocks(name, "int4"), aot.plan_blocks(name)  # headers: ~5 s each
+    planned, held = aot.plan_blocks(name, "int4"), aot.plan_blocks(name)  # one header parse
     assert planned["embed"] == "Q8_0" and set(quant.QUANTIZED_KEYS) <= set(planned)
     assert {k: planned[k] for k in held} == held
     assert aot.plan_blocks(name, file_blocks=False) == {}

@@ -106,8 +106,6 @@ def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-
-
 def _source(reader) -> str:
     return str(getattr(getattr(reader, "data", None), "filename", None) or "GGUF file")
 
