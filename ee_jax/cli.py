@@ -274,7 +274,7 @@ def _serve(args) -> int:
         host=args.host, port=args.port, model_name=args.served_model_name or args.model,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level,
-        startup_wait=args.startup_wait)
+        startup_wait=args.startup_wait, keep_alive=args.keep_alive)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"ee-jax: warning: serving on {args.host} without --api-key: anyone who can "
               f"reach this port can use the model", file=sys.stderr)
@@ -762,6 +762,9 @@ def _add_serve_parser(sub) -> None:
                    help="the server listens at once and loads the model behind the port: a "
                    "request that comes meanwhile waits this long for it, then gets 503 with "
                    "Retry-After (default 120; 0: at once)")
+    v.add_argument("--keep-alive", type=float, default=75.0, metavar="SECONDS",
+                   help="how long an idle client connection stays open (default 75: longer "
+                   "than client pools keep one, so none reuses a connection being closed)")
     v.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--quiet", action="store_true", help="no loading progress")

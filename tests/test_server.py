@@ -282,6 +282,7 @@ def _stream_text(lines) -> str:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(served):
+    _wait_idle(served.engine)  # an earlier test's aborts are counted before `before`
     before = _metrics(served).get("eejax_requests_total{finish_reason=abort}", 0)
     with httpx.Client() as a, httpx.Client() as b:
         cm_a, lines_a = _open_stream(served, a, PROMPTS[0], 240)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -210,6 +211,42 @@ def test_startup_validates_its_arguments(tiny):
         Startup(tiny[0], precompile=("decode", "mixed"))
     with pytest.raises(ValueError, match="startup_wait"):
         ServerConfig(startup_wait=-1)
+    with pytest.raises(ValueError, match="keep_alive"):
+        ServerConfig(keep_alive=0)
+
+
+def _idle_connection(url: str) -> socket.socket:
+    """A raw HTTP/1.1 connection that made one keep-alive request and read its answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 "), head
+    return sock
+
+
+def test_idle_connections_outlive_client_pools_then_close(capfd):
+    """A client pool sends on an idle connection for up to 5 s (httpx's keepalive_expiry,
+    the openai client's): a server that closed one as soon made a request fail before any
+    byte of its answer (seen under load: one of 64 streams, a connection error). The server
+    keeps an idle connection longer than that by default, and closes it after `keep_alive`.
+    (No engine: a server whose load failed still answers /health.)"""
+    assert ServerConfig().keep_alive > httpx.Limits().keepalive_expiry
+
+    def build() -> LLMEngine:
+        raise ModelLoadError("no weights")
+
+    with _server(Startup(build), keep_alive=0.2) as short, \
+            _server(Startup(build), keep_alive=60) as long:
+        closing, staying = _idle_connection(short.url), _idle_connection(long.url)
+        with closing, staying:
+            assert closing.recv(1) == b""  # the server closed it (bounded by TIMEOUT)
+            staying.settimeout(1.0)
+            with pytest.raises(TimeoutError):  # open and silent a second later
+                staying.recv(1)
+    capfd.readouterr()  # the failed starts' one-line errors
 
 
 def test_serve_checks_the_model_before_it_listens(capsys):

@@ -59,11 +59,19 @@ class ServerConfig:
     # How long a request that comes while the server starts waits for the engine (seconds)
     # before it gets 503 with Retry-After; 0: at once.
     startup_wait: float = 120.0
+    # Seconds an idle keep-alive connection stays open. Longer than a client pool keeps one
+    # (httpx and the openai client: 5 s, uvicorn's own default too): with equal timeouts a
+    # client can send a request on a connection the server is closing, and it fails with a
+    # connection error before any byte of a response (seen under load in test_server).
+    keep_alive: float = 75.0
 
     def __post_init__(self):
         if not 0 <= self.startup_wait < math.inf:
             raise ValueError(f"startup_wait must be a finite number of seconds >= 0, got "
                              f"{self.startup_wait}")
+        if not 0 < self.keep_alive < math.inf:
+            raise ValueError(f"keep_alive must be a finite number of seconds > 0, got "
+                             f"{self.keep_alive}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:

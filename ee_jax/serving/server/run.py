@@ -35,6 +35,7 @@ def serve(source: LLMEngine | Startup, config: ServerConfig | None = None,
     app = create_app(source, config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=config.log_level,
+                                           timeout_keep_alive=config.keep_alive,
                                            timeout_graceful_shutdown=30))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         server.run(sockets=[sock])
@@ -70,7 +71,7 @@ class BackgroundServer:
             raise
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=10))
+            timeout_keep_alive=config.keep_alive, timeout_graceful_shutdown=10))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="ee-jax-server", daemon=True)
 
