@@ -38,12 +38,12 @@ run: $(VENV)/.runtime
 # drops the compiled programs at each test module's end.)
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check ee_jax tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The inner loop: tiny models only (no real SmolLM2, nothing marked slow), stop at the first
 # failure.
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not slow" tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not real_model and not slow" tests
 
 # Compiling for TPU and CUDA without either (the roofline's predictions; CUDA compiled by XLA's
 # GPU compiler told the chip, in a venv of its own: requirements-cuda-aot.txt; pytest there runs
