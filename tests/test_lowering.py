@@ -83,14 +83,14 @@ def test_every_step_program_compiles_for_tpu():
     test_traffic's hand-count test and the runner-layout tests here); the CUDA lowering test
     takes every program."""
     attention = "pallas_tpu"
-    plan = _plan("tpu:v5e", attention)
+    whole = _plan("tpu:v5e", attention)
     kept = ("all/deferred", "per_row/learned", "per_row/deferred_learned")
-    decode = [s for s in plan.shapes if s.kind == "decode"]
-    prefill = [s for s in plan.shapes if s.kind == "prefill"]
-    plan = dataclasses.replace(plan, programs=[p for p in plan.programs if p[0] in kept],
+    decode = [s for s in whole.shapes if s.kind == "decode"]
+    prefill = [s for s in whole.shapes if s.kind == "prefill"]
+    plan = dataclasses.replace(whole, programs=[p for p in whole.programs if p[0] in kept],
                                shapes=decode)
-    full = dataclasses.replace(plan, programs=[p for p in _plan("tpu:v5e", attention).programs
-                                               if p[0] == "full"], shapes=prefill)
+    full = dataclasses.replace(whole, programs=[p for p in whole.programs if p[0] == "full"],
+                               shapes=prefill)
     rows = list(plan.compile()) + list(full.compile())
     failed = [(r.variant, r.shape, r.error) for r in rows if r.error]
     assert not failed

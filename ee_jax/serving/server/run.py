@@ -33,12 +33,17 @@ def serve(source: LLMEngine | Startup, config: ServerConfig | None = None,
     config = config or ServerConfig()
     sock = sock or listen(config.host, config.port)
     app = create_app(source, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=config.log_level,
-                                           timeout_keep_alive=config.keep_alive,
-                                           timeout_graceful_shutdown=30))
+    server = uvicorn.Server(_uvicorn_config(app, config, graceful_s=30))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         server.run(sockets=[sock])
+
+
+def _uvicorn_config(app, config: ServerConfig, graceful_s: float) -> uvicorn.Config:
+    """The one place a ServerConfig becomes uvicorn's settings (`serve` and
+    `BackgroundServer`); graceful_s: how long open streams may finish on shutdown."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                          timeout_keep_alive=config.keep_alive,
+                          timeout_graceful_shutdown=graceful_s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,9 +74,7 @@ class BackgroundServer:
         except BaseException:
             self._sock.close()
             raise
-        self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_keep_alive=config.keep_alive, timeout_graceful_shutdown=10))
+        self._server = uvicorn.Server(_uvicorn_config(self.app, config, graceful_s=10))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="ee-jax-server", daemon=True)
 
