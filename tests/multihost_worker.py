@@ -26,14 +26,13 @@ if os.environ.get("EE_JAX_TEST_XLA_CACHE"):  # the test's own folder: the second
 
 import jax  # noqa: E402
 
-from ee_jax.models.exits.config import ExitConfig  # noqa: E402
 from ee_jax.serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from ee_jax.serving.params import greedy  # noqa: E402
-from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS  # noqa: E402
+from tests.multihost_case import CONFIG, EXITS, MODEL, NEW, PROMPTS  # noqa: E402
 
 cfg, params = MODEL
-ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
-engine = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG, mesh="tp=4,dp=2"), exit_config=ec)
+engine = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG, mesh="tp=4,dp=2"),
+                   exit_config=EXITS)
 if distributed.is_leader():
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, greedy(NEW))

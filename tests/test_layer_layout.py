@@ -24,7 +24,9 @@ PARAMS = llama.init_params(CFG, jax.random.PRNGKey(7), scale=0.1)
 RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (6, 19, 2, 11)]
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
-EXITS = ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, measure="max_prob")
+# per_row in one row stage (min_row_bucket = the batch), as on a GPU, whose layout per_layer
+# is: no compaction there (`model_runner.min_row_bucket`); stages would only add loops to compile
+EXITS = ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, measure="max_prob", min_row_bucket=4)
 
 
 def _engine(layout: str, ec: ExitConfig | None, mesh: str | None = None) -> LLMEngine:

@@ -163,13 +163,15 @@ def _llm(lm, ec, heads):
 @pytest.mark.parametrize("policy", ["all", "per_row"])
 def test_served_forced_exit_takes_the_checkpoints_exit_token(untied, policy):
     """A decode step forced to leave at an exit emits that exit's token: the prompt's next
-    token comes from full depth (prefill), the one after from the exit (the oracle above)."""
+    token comes from full depth (prefill), the one after from the exit (the oracle above).
+    Rows leave together: one row stage (min_row_bucket = the batch)."""
     model, folder, parts = untied
     lm = load_model(str(folder), progress=False)
     ec, heads = lm.exits
     for slot, n in enumerate((1, 3)):
         e = ec.exit_layers[slot]
-        llm = _llm(lm, dataclasses.replace(ec, force_exit_layer=e, policy=policy), heads)
+        llm = _llm(lm, dataclasses.replace(ec, force_exit_layer=e, policy=policy,
+                                           min_row_bucket=2), heads)
         outs = llm.generate(PROMPTS, greedy(2), use_tqdm=False)
         for ids, out in zip(PROMPTS, outs, strict=True):
             first = int(torch.argmax(_torch_states(model, ids)[0][-1]))
@@ -181,11 +183,12 @@ def test_served_forced_exit_takes_the_checkpoints_exit_token(untied, policy):
 @pytest.mark.parametrize("fixture", ["untied", "tied"])
 def test_verified_exits_serve_full_depths_tokens(request, fixture):
     """The checkpoint's own exits as verified drafts (per row, threshold 0: every token a
-    draft until a run is full): exactly transformers' greedy tokens."""
+    draft until a run is full): exactly transformers' greedy tokens. One row stage
+    (min_row_bucket = the batch: row compaction is test_verified_exits')."""
     model, folder, _ = request.getfixturevalue(fixture)
     lm = load_model(str(folder), progress=False)
     ec, heads = lm.exits
-    ec = dataclasses.replace(ec, policy="per_row", threshold=0.0).verified(3)
+    ec = dataclasses.replace(ec, policy="per_row", threshold=0.0, min_row_bucket=2).verified(3)
     llm = _llm(lm, ec, heads)
     outs = llm.generate(PROMPTS, greedy(12), use_tqdm=False)
     for ids, out in zip(PROMPTS, outs, strict=True):

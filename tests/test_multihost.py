@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ee_jax.models.exits.config import ExitConfig
 from ee_jax.serving.engine import EngineConfig, LLMEngine
 from ee_jax.serving.params import greedy
 from ee_jax.testing import subprocess_env
-from tests.multihost_case import CONFIG, MODEL, NEW, PROMPTS
+from tests.multihost_case import CONFIG, EXITS, MODEL, NEW, PROMPTS
 from tests.reference import run_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +47,7 @@ def _start(port: int, pid: int, cache: str, *extra: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_two_processes_give_one_process_tokens(xla_cache):
     cfg, params = MODEL
-    ec = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2)
-    one = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG), exit_config=ec)
+    one = LLMEngine(cfg, params, None, EngineConfig.make(**CONFIG), exit_config=EXITS)
     want = [o.token_ids for o in run_requests(one, PROMPTS, greedy(NEW))]
     port = _free_port()
     procs = [_start(port, pid, xla_cache) for pid in (0, 1)]

@@ -333,21 +333,25 @@ def test_row_buckets():
 
 
 def test_rows_are_compacted_only_where_a_layer_is_compute_bound():
-    """A CPU runner compacts the running rows (stages 4, 2, 1: a while loop each); a runner
-    built for a TPU or GPU runs one stage, as policy "all" does (its layers are memory-bound
-    at serving batches: fewer rows would save nothing and each stage is compiled again)."""
+    """By default a CPU runner compacts the running rows (stages 4, 2, 1: loops of their
+    own); a runner built for a TPU or GPU runs one stage, as policy "all" does (its layers
+    are memory-bound at serving batches: fewer rows would save nothing and each stage is
+    compiled again). An explicit min_row_bucket is served as given on every platform."""
     ec = ExitConfig(exit_layers=EXIT_LAYERS, policy="per_row")
     shape = StepShape(4, 1, 4, kind="decode")
 
-    def loops(policy, platform):
-        e = dataclasses.replace(ec, policy=policy)
+    def loops(policy, platform, **kw):
+        e = dataclasses.replace(ec, policy=policy, **kw)
         cache = allocate_cache(CFG, 8, 16, CFG.dtype)
         runner = ModelRunner(CFG, PARAMS, cache, e, attention="xla", max_batch=4,
                              platform=platform)
         return runner.lower(shape).as_text().count("stablehlo.while")
 
-    assert loops("per_row", "cpu") > loops("per_row", "tpu") == loops("all", "tpu")
-    assert loops("per_row", "gpu") == loops("per_row", "tpu")
+    one_stage = loops("all", "tpu")
+    assert loops("per_row", "tpu") == loops("per_row", "gpu") == one_stage
+    assert loops("per_row", "cpu") > one_stage
+    assert loops("per_row", "cpu", min_row_bucket=4) == one_stage
+    assert loops("per_row", "tpu", min_row_bucket=1) == loops("per_row", "cpu")
 
 
 # --------------------------------------------------------------------------- engine

@@ -26,7 +26,11 @@ MESHES = [None, "tp=4", "tp=2,dp=2", "tp=8", "dp=8"]
 POLICIES = {
     "full": None,
     "all": ExitConfig(exit_layers=(1, 2, 3), policy="all", force_exit_layer=2),
-    "per_row": ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2),
+    # rows leave together at the forced exit: one row stage (min_row_bucket = the batch), as
+    # meshes of accelerators serve per_row; test_sharded_verified_exits_are_full_depth
+    # compiles the CPU's row stages under a mesh
+    "per_row": ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2,
+                          min_row_bucket=4),
 }
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,

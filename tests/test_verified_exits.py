@@ -65,16 +65,18 @@ def _engine(ec=None, heads=None, **kw) -> LLMEngine:
     return LLMEngine(CFG, PARAMS, None, EngineConfig.make(**base), ec, heads)
 
 
-# (policy, max_draft, head noise): batch-wide and per-row exits, runs of 1, 3 and 8
-CONFIGS = {"per_row-3": ("per_row", 3, 0.0), "all-8": ("all", 8, 0.0),
-           "per_row-1": ("per_row", 1, 0.3)}
+# (policy, max_draft, head noise, min_row_bucket): batch-wide and per-row exits, runs of 1,
+# 3 and 8; per_row-3's rows compacted into buckets 4, 2, 1 (the CPU runner's default),
+# per_row-1's in one stage (as on accelerators; each stage is another layer loop to compile)
+CONFIGS = {"per_row-3": ("per_row", 3, 0.0, None), "all-8": ("all", 8, 0.0, None),
+           "per_row-1": ("per_row", 1, 0.3, 4)}
 
 
 @pytest.fixture(scope="module")
 def engines():
     out = {}
-    for name, (policy, max_draft, noise) in CONFIGS.items():
-        ec = _ec(policy, max_draft)
+    for name, (policy, max_draft, noise, min_rows) in CONFIGS.items():
+        ec = _ec(policy, max_draft, min_row_bucket=min_rows)
         out[name] = _engine(ec, _heads(ec, noise))
     return out
 
@@ -184,9 +186,11 @@ DRAFT_EXIT = 3
 def rejection_engine():
     """Standard speculative sampling (verify_sampling "rejection"); every token drafts at exit
     3 (threshold 0; its top-4 overlaps the last layer's enough that drafts are kept as well
-    as replaced), runs of 2, so almost every token after the prefill's is a checked draft."""
+    as replaced), runs of 2, so almost every token after the prefill's is a checked draft.
+    One row stage a bucket (rows leave together at the one exit: stages would only add
+    loops to compile)."""
     ec = ExitConfig(exit_layers=(DRAFT_EXIT,), threshold=0.0, policy="per_row",
-                    verify_sampling="rejection").verified(2)
+                    verify_sampling="rejection", min_row_bucket=16).verified(2)
     return _engine(ec, _heads(ec, 0.0), max_num_seqs=16, batch_buckets=(1, 4, 16),
                    num_pages=160, max_num_batched_tokens=512)
 
@@ -319,8 +323,9 @@ def test_stream_shows_only_confirmed_tokens_and_stops_inside_runs(engines, dense
 def test_preemption_aborts_and_mixed_steps_keep_the_output(dense):
     """A pool too small for every row (the newest is preempted, its drafts dropped and its
     confirmed tokens recomputed), requests arriving mid-run (prefill steps beside drafting
-    rows) and an abort among them: every finished request's tokens are full depth's."""
-    ec = _ec("per_row", 3)
+    rows) and an abort among them: every finished request's tokens are full depth's. One
+    row stage (a program of its own: the pool's size is in its shapes)."""
+    ec = _ec("per_row", 3, min_row_bucket=4)
     eng = _engine(ec, _heads(ec, 0.0), num_pages=11)
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     eng.add_request("a0", PROMPTS[0], sp)

@@ -402,15 +402,16 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     return nxt, nxt_lp, emitted, dataclasses.replace(result, pending=pending)
 
 
-def compaction_pays(platform: str) -> bool:
-    """Whether policy "per_row" should compact the rows still running into smaller row
-    buckets on `platform`. Only where a decode layer is compute-bound: a CPU at batch 8 and
-    up (docs/benchmarks.md). On a TPU or GPU a decode layer reads its weights whatever the
-    rows (the ridge point is ~240 rows on TPU v5e, ~300 on H100: 197 TFLOP/s / 819 GB/s,
-    989 / 3.35), so fewer rows save nothing, and each extra stage is another copy of the
-    layer loop to compile (a SmolLM2 per_row step at batch 8: 37 s for TPU v5e, 3 stages,
-    against 13 s under policy "all")."""
-    return platform == "cpu"
+def min_row_bucket(platform: str, max_batch: int) -> int:
+    """The smallest row bucket policy "per_row" compacts into where `ExitConfig.min_row_bucket`
+    is None: compaction pays only where a layer over fewer rows costs less. On CPU it does
+    (GGUF blocks, the default model's, are dequantized row by row inside each product: 2 rows
+    cost twice one, `python -m bench.kernels q4-unpack`): every bucket down to 1. On a TPU or
+    GPU a decode layer reads its weights whatever the rows (the ridge point is ~240 rows on
+    TPU v5e, ~300 on H100: 197 TFLOP/s / 819 GB/s, 989 / 3.35): no compaction, and no extra
+    stage, each another copy of the layer loop to compile (a SmolLM2 per_row step at batch
+    8: 37 s for TPU v5e, 3 stages, against 13 s under policy "all")."""
+    return 1 if platform == "cpu" else max_batch
 
 
 def layout_shape(shapes: Iterable[StepShape], exits: bool) -> StepShape | None:
@@ -456,7 +457,7 @@ class ModelRunner:
         `platform`: what the steps are built for (default: the devices'), read here once: it
         resolves `attention` ("auto" included) and goes into the step's static config
         (`StepConfig.platform`), and decides whether policy "per_row" compacts its rows
-        (`compaction_pays`).
+        (`min_row_bucket`).
         `layer_layout` (`llama.LAYOUTS`; None: the platform's, `llama.layout_for`): how the
         steps hold the layers' weights, "per_layer" a buffer a weight a layer.
         `layout_shape` (TPU, no mesh): the weights, heads and pool are placed in the device
@@ -473,8 +474,9 @@ class ModelRunner:
         params = llama.check_params(cfg, params, source="the params given")
         params = quant.for_platform(params, platform)  # a GGUF's blocks as this target reads
         if exit_config is not None and exit_config.policy == "per_row" and \
-                not compaction_pays(platform):  # one stage: every row runs to the batch's end
-            exit_config = dataclasses.replace(exit_config, min_row_bucket=max_batch)
+                exit_config.min_row_bucket is None:  # the rows' buckets this target pays for
+            exit_config = dataclasses.replace(
+                exit_config, min_row_bucket=min_row_bucket(platform, max_batch))
         abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
         self.cfg = cfg
         self.mesh = mesh

@@ -73,9 +73,10 @@ class ExitConfig:
     step ends when every active row has left. Exits below `min_exit_layer` are never taken
     (saturation still records the hidden state there).
     min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
-    into (buckets are B, B/2, ..., min_row_bucket). On accelerators a layer over one row
-    costs about what it costs over eight (weight reads dominate), so the serving runner
-    does not compact there at all (`model_runner.compaction_pays`).
+    into (buckets are B, B/2, ..., min_row_bucket). None (the default): the serving runner
+    picks it where fewer rows cost less (`model_runner.min_row_bucket`): 1 on CPU, no
+    compaction on accelerators (weight reads dominate a layer there). An integer is served
+    as given (fewer stages: less to compile).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
     vocab_subset: K > 0 — exit heads score only the K token ids in `ExitHeads.vocab` (logits of
     every other id are MASKED); 0 — the whole vocabulary.
@@ -117,7 +118,7 @@ class ExitConfig:
     quorum: float = 0.75  # policy "quorum": the share of active rows done before it leaves
     adapter_rank: int = 64  # head "adapter" / "mlp": the residual MLP's hidden width
     force_exit_layer: int | None = None
-    min_row_bucket: int = 1
+    min_row_bucket: int | None = None
     vocab_subset: int = 0
     candidates: int = 8
     target_agreement: float = 0.95
@@ -198,9 +199,10 @@ class ExitConfig:
                 f"or temperatures) are served with a measure of their logits over the whole "
                 f"vocabulary: measure one of {VOCAB_MEASURES} and vocab_subset 0, not "
                 f"measure {self.measure!r} with vocab_subset {self.vocab_subset}")
-        if not (isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
-            raise ExitConfigError(f"min_row_bucket must be an integer >= 1, got "
-                                  f"{self.min_row_bucket!r}")
+        if self.min_row_bucket is not None and not (
+                isinstance(self.min_row_bucket, int) and self.min_row_bucket >= 1):
+            raise ExitConfigError(f"min_row_bucket must be an integer >= 1 or None (the "
+                                  f"runner's choice), got {self.min_row_bucket!r}")
         if not (isinstance(self.vocab_subset, int) and self.vocab_subset >= 0):
             raise ExitConfigError(f"vocab_subset must be an integer >= 0 (0: the whole "
                                   f"vocabulary), got {self.vocab_subset!r}")
@@ -282,9 +284,9 @@ class ExitConfig:
 
     def row_buckets(self, batch: int) -> tuple[int, ...]:
         """Static row buckets of policy "per_row" for a batch of `batch` rows, largest first:
-        ceil(batch / 2**k) down to min_row_bucket (always holding `batch` itself)."""
-        sizes = [batch]
-        while sizes[-1] > 1 and -(-sizes[-1] // 2) >= self.min_row_bucket:
+        ceil(batch / 2**k) down to min_row_bucket (None: 1; always holding `batch` itself)."""
+        sizes, floor = [batch], self.min_row_bucket or 1
+        while sizes[-1] > 1 and -(-sizes[-1] // 2) >= floor:
             sizes.append(-(-sizes[-1] // 2))
         return tuple(sizes)
 
