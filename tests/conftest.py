@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import os
 
+# One thread each for torch (the transformers oracles) and numpy's BLAS where the suite runs
+# more test processes than cores (pytest-xdist's workers: `make test`): their OpenMP threads
+# spin waiting for work on cores the other processes need. test_smollm2, test_megatron,
+# test_families, test_layerskip and test_loaders under `-n 3` on 2 cores: 101-107 s -> 82-88 s
+# (2026-12-06, AMD EPYC). Read before torch or numpy is imported.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 # Eight simulated CPU devices for the sharding tests (read when JAX starts its CPU backend,
 # before any test runs); unsharded code keeps using the first device. Subprocesses inherit
 # the flags and the settings below (`ee_jax.testing.subprocess_env` changes the count).
