@@ -511,7 +511,8 @@ def test_served_tables_count_what_the_engine_serves_one_request_at_a_time():
     ec, heads = subset_heads(CFG, PARAMS)
     model = LoadedModel(CFG, PARAMS, None, "tiny")
     rng = np.random.default_rng(3)
-    full = LLM(model, early_exit=False, max_num_seqs=4, max_model_len=64, progress=False)
+    full = LLM(model, early_exit=False, max_num_seqs=4, max_model_len=64, progress=False,
+               batch_buckets=(4,))  # one decode program
     answers = {}
     for g, n in (("a", 3), ("b", 2)):  # the model's own full-depth greedy answers
         prompts = [rng.integers(3, CFG.vocab_size, int(rng.integers(4, 12))).tolist()

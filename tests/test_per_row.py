@@ -275,11 +275,15 @@ def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_l
         return first, np.stack([np.asarray(x) for x in logits])
 
     for policy in ("per_row", "all"):
-        pol = policy_for(dataclasses.replace(ec, policy=policy), "decode")
         # the heads' forms decide row by row; "all" only takes the rows' deepest exit, so it
-        # runs the default form alone (each form is a compile per policy)
+        # runs the default form alone (each form is a compile per policy); under per_row the
+        # default form runs the rows' stages (4, 2, 1), the others one stage (the forms do not
+        # depend on the stages: each stage is another layer loop to compile)
         n = len(variants) if policy == "per_row" else 1
-        for hv, conf in zip(variants[:n], confs[:n], strict=True):
+        for i, (hv, conf) in enumerate(zip(variants[:n], confs[:n], strict=True)):
+            sizes = (B, B // 2, 1) if i == 0 else (B,)
+            pol = policy_for(dataclasses.replace(ec, policy=policy, min_row_bucket=sizes[-1]),
+                             "decode")
             # per row: leave just below its confidence at exit j (row r: j = r mod exits),
             # 1.0, NEVER, 0
             picked = np.asarray([conf[r, r % len(exit_layers)] - 1e-4 for r in range(B)],
@@ -294,7 +298,7 @@ def test_candidate_checks_in_the_step_decide_as_chained_checks(step_case, exit_l
                 np.testing.assert_allclose(np.asarray(result.logits), want_logits, atol=2e-4,
                                            rtol=2e-4, err_msg=f"{policy} {thr}")
                 if policy == "per_row":
-                    assert int(result.work) == expected_work(want_layers)
+                    assert int(result.work) == expected_work(want_layers, sizes)
                 if thr[0] >= 1.0:  # full depth, checks run (1.0) or not (NEVER)
                     assert want_layers == [L] * B
 
