@@ -103,11 +103,17 @@ def _public_modules() -> Iterator[tuple[tuple[str, ...], str, ast.Module]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _documented_functions() -> tuple[tuple[str, str, str], ...]:
-    """(module, qualified name, first docstring sentence) of public, documented functions."""
-    out = []
-    for parts, _, tree in _public_modules():
+def _stdlib_catalog() -> tuple[tuple[tuple[str, str, str], ...], tuple[tuple[str, str], ...]]:
+    """Both things read from the standard library's parsed modules, in one pass (parsing
+    them is most of the cost: ~2 s each time):
+    documented functions: (module, qualified name, first docstring sentence) of public,
+    documented functions and methods;
+    function headers: (key, source) of documented top-level functions, the `def` line(s) and
+    the docstring without the body (a code-completion prompt in HumanEval's shape)."""
+    documented, headers = [], []
+    for parts, text, tree in _public_modules():
         module = ".".join(parts).removesuffix(".__init__")
+        lines = text.splitlines(keepends=True)
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
                 continue
@@ -123,8 +129,18 @@ def _documented_functions() -> tuple[tuple[str, str, str], ...]:
                     continue
                 first = " ".join(doc.strip().split("\n\n")[0].split())
                 if 20 <= len(first) <= 200:
-                    out.append((module, name, first))
-    return tuple(out)
+                    documented.append((module, name, first))
+            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+                    and ast.get_docstring(node) is not None and len(node.body) >= 2
+                    and not node.decorator_list):
+                header = "".join(lines[node.lineno - 1:node.body[0].end_lineno])
+                if 60 <= len(header) <= 1200:
+                    headers.append((f"{'.'.join(parts)}.{node.name}", header))
+    return tuple(documented), tuple(headers)
+
+
+def _documented_functions() -> tuple[tuple[str, str, str], ...]:
+    return _stdlib_catalog()[0]
 
 
 _TEMPLATES = (
@@ -174,23 +190,8 @@ def instructions(split: Split, limit: int | None = None, seed: int = 0) -> list[
                            _documented_functions()], limit, seed)
 
 
-@functools.lru_cache(maxsize=1)
 def _function_headers() -> tuple[tuple[str, str], ...]:
-    """(key, source) of documented top-level standard-library functions: the `def` line(s)
-    and the docstring, without the body — a code-completion prompt in HumanEval's shape."""
-    out = []
-    for parts, text, tree in _public_modules():
-        lines = text.splitlines(keepends=True)
-        for node in tree.body:
-            if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_")
-                    or ast.get_docstring(node) is None or len(node.body) < 2
-                    or node.decorator_list):
-                continue
-            doc = node.body[0]
-            header = "".join(lines[node.lineno - 1:doc.end_lineno])
-            if 60 <= len(header) <= 1200:
-                out.append((f"{'.'.join(parts)}.{node.name}", header))
-    return tuple(out)
+    return _stdlib_catalog()[1]
 
 
 def code_prompts(split: Split, limit: int | None = None, seed: int = 0) -> list[str]:
