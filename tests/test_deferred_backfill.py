@@ -17,6 +17,8 @@ numpy from the maps' definition, `ee_jax.models.exits.backfill_maps`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,8 +76,8 @@ def _maps(rank=2):
 
 MAPS = _maps()
 HEADS = _heads(_ec("per_row")).replace(backfill=jax.tree.map(jnp.asarray, MAPS))
-# deferred_learned only under per_row: what it adds (the maps' correction in the back-fill
-# after the layers) is the same code under both policies
+# deferred_learned only under per_row, in one row stage: what it adds (the maps' correction in
+# the back-fill after the layers) is the same code under both policies and every stage
 COMBOS = (("per_row", "deferred"), ("all", "deferred"), ("per_row", "deferred_learned"))
 
 
@@ -129,6 +131,8 @@ def case():
     steps = {}
     for policy, backfill in COMBOS:
         ec = _ec(policy, backfill)
+        if backfill == "deferred_learned":
+            ec = dataclasses.replace(ec, min_row_bucket=len(ROWS))
         pol = PerRow(ec) if policy == "per_row" else BatchExit(ec)
 
         def two_steps(cache, meta_a, meta_b, tokens_a, tokens_b, thr_a, thr_b, pol=pol):
