@@ -115,20 +115,20 @@ def _free_compiled_programs():
     gc.collect()
 
 
-# The files that take half a minute or more, longest first (per-file totals of
-# `--durations=0`, 2026-12-06, AMD EPYC): the processes take files in collection order
+# The files that take 20 s or more, longest first (per-file totals of `--durations=0`,
+# 2026-12-06 15:10 UTC, AMD EPYC): the processes take files in collection order
 # (`--no-loadscope-reorder` in the Makefile: xdist's default reorders files by their number
 # of tests, which ignored this order and put short files with many cases first), so these go
 # first and the short ones fill in after.
-LONG_FILES = ("test_lowering.py", "test_verified_exits.py", "test_smollm2.py",
-              "test_sharding.py", "test_megatron.py", "test_families.py", "test_per_row.py",
-              "test_layer_layout.py", "test_multihost.py", "test_engine.py",
-              "test_exit_decision.py", "test_server.py", "test_loaders.py",
-              "test_program_cache.py", "test_ragged_prefill.py", "test_load_memory.py",
-              "test_traffic.py", "test_early_exit.py", "test_attention_backends.py",
-              "test_deferred_backfill.py", "test_shipped_heads.py", "test_compile_free.py",
-              "test_tuning.py", "test_compile_accounting.py", "test_int8.py",
-              "test_notebook.py")
+LONG_FILES = ("test_lowering.py", "test_smollm2.py", "test_verified_exits.py", "test_per_row.py",
+              "test_sharding.py", "test_megatron.py", "test_exit_decision.py",
+              "test_layer_layout.py", "test_families.py", "test_engine.py",
+              "test_ragged_prefill.py", "test_server.py", "test_early_exit.py",
+              "test_multihost.py", "test_program_cache.py", "test_traffic.py", "test_loaders.py",
+              "test_attention_backends.py", "test_tuning.py", "test_load_memory.py",
+              "test_notebook.py", "test_deferred_backfill.py", "test_learned_backfill.py",
+              "test_compile_free.py", "test_int8.py", "test_input_batch.py",
+              "test_compile_accounting.py", "test_shipped_heads.py", "test_head_major_cache.py")
 
 
 def pytest_collection_modifyitems(config, items):
