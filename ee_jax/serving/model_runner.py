@@ -403,8 +403,9 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
 
 
 def min_row_bucket(platform: str, max_batch: int) -> int:
-    """The smallest row bucket policy "per_row" compacts into where `ExitConfig.min_row_bucket`
-    is None: compaction pays only where a layer over fewer rows costs less. On CPU it does
+    """The smallest row bucket policy "per_row" compacts into on `platform` (on CPU only where
+    `ExitConfig.min_row_bucket` is None): compaction pays only where a layer over fewer rows
+    costs less. On CPU it does
     (GGUF blocks, the default model's, are dequantized row by row inside each product: 2 rows
     cost twice one, `python -m bench.kernels q4-unpack`): every bucket down to 1. On a TPU or
     GPU a decode layer reads its weights whatever the rows (the ridge point is ~240 rows on
@@ -473,8 +474,10 @@ class ModelRunner:
         # what a caller passes (a mapping of weight keys too) as Params, held to cfg's shapes
         params = llama.check_params(cfg, params, source="the params given")
         params = quant.for_platform(params, platform)  # a GGUF's blocks as this target reads
-        if exit_config is not None and exit_config.policy == "per_row" and \
-                exit_config.min_row_bucket is None:  # the rows' buckets this target pays for
+        if exit_config is not None and exit_config.policy == "per_row" and (
+                exit_config.min_row_bucket is None or platform != "cpu"):
+            # the row buckets this target pays for (heads saved with an explicit 1, as the
+            # shipped ones are, must not compact on an accelerator)
             exit_config = dataclasses.replace(
                 exit_config, min_row_bucket=min_row_bucket(platform, max_batch))
         abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))

@@ -74,9 +74,9 @@ class ExitConfig:
     (saturation still records the hidden state there).
     min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
     into (buckets are B, B/2, ..., min_row_bucket). None (the default): the serving runner
-    picks it where fewer rows cost less (`model_runner.min_row_bucket`): 1 on CPU, no
-    compaction on accelerators (weight reads dominate a layer there). An integer is served
-    as given (fewer stages: less to compile).
+    picks it where fewer rows cost less (`model_runner.min_row_bucket`): 1 on CPU; on
+    accelerators the runner never compacts, whatever is asked (weight reads dominate a layer
+    there). On CPU an integer is served as given (fewer stages: less to compile).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
     vocab_subset: K > 0 — exit heads score only the K token ids in `ExitHeads.vocab` (logits of
     every other id are MASKED); 0 — the whole vocabulary.
