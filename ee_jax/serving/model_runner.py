@@ -405,13 +405,13 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
 def min_row_bucket(platform: str, max_batch: int) -> int:
     """The smallest row bucket policy "per_row" compacts into on `platform` (on CPU only where
     `ExitConfig.min_row_bucket` is None): compaction pays only where a layer over fewer rows
-    costs less. On CPU it does
-    (GGUF blocks, the default model's, are dequantized row by row inside each product: 2 rows
-    cost twice one, `python -m bench.kernels q4-unpack`): every bucket down to 1. On a TPU or
-    GPU a decode layer reads its weights whatever the rows (the ridge point is ~240 rows on
-    TPU v5e, ~300 on H100: 197 TFLOP/s / 819 GB/s, 989 / 3.35): no compaction, and no extra
-    stage, each another copy of the layer loop to compile (a SmolLM2 per_row step at batch
-    8: 37 s for TPU v5e, 3 stages, against 13 s under policy "all")."""
+    costs less. On CPU it does (GGUF blocks, the default model's, are dequantized row by row
+    inside each product: 2 rows cost twice one, `python -m bench.kernels q4-unpack`): every
+    bucket down to 1. On a TPU or GPU a decode layer reads its weights whatever the rows (the
+    ridge point is ~240 rows on TPU v5e, ~300 on H100: 197 TFLOP/s / 819 GB/s, 989 / 3.35):
+    no compaction, and no extra stage, each another copy of the layer loop to compile (a
+    SmolLM2 per_row step at batch 8: 37 s for TPU v5e, 3 stages, against 13 s under policy
+    "all")."""
     return 1 if platform == "cpu" else max_batch
 
 
