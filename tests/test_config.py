@@ -101,7 +101,7 @@ ENGINE_FLAGS = {
 }
 SERVER_FLAGS = {k: (ServerConfig, k) for k in
                 ("host", "port", "max_body_bytes", "max_prompt_tokens", "log_level",
-                 "startup_wait")}
+                 "startup_wait", "keep_alive")}
 EVAL_FLAGS = {k: (EvalOptions, k) for k in
               ("model", "dtype", "exit_heads", "limit", "max_tokens", "batches", "thresholds",
                "workloads", "round_size", "dense_tokens", "out_dir")}
