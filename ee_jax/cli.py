@@ -560,7 +560,8 @@ def _compile(args) -> int:
               + (f" ({chip.source}: {chip.peak_flops / 1e9:.0f} GFLOP/s, "
                  f"{chip.hbm_bytes_per_s / 1e9:.1f} GB/s)" if chip else "")
               + ". Copies: slices copied out of a stacked buffer before use (a layer's "
-              "weights, docs/roofline.md \"CUDA\").")
+              "weights, an exit's head, rows' maps; in any branch; docs/roofline.md "
+              "\"CUDA\").")
     mem = aot.memory(plan, rows)
     if mem is not None:
         print(f"memory per chip ({chip.name}): {mem.verdict()}")

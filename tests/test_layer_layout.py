@@ -8,6 +8,7 @@ policy and back-fill, on one device and on tp=2 (simulated devices).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -105,3 +106,64 @@ def test_llm_holds_the_per_layer_params_it_serves():
               progress=False)
     assert llm.model.params is llm.engine.runner.params
     assert isinstance(llm.model.params.layers, tuple)
+
+
+HEAD_FORMS = [
+    ExitConfig(exit_layers=(1, 2, 3), head="adapter", adapter_rank=4, measure="classifier"),
+    ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=4, measure="candidates",
+               vocab_subset=32, candidates=4),
+    ExitConfig(exit_layers=(1, 2, 3), head="branch", exit_output=True, measure="max_prob"),
+]
+
+
+@pytest.mark.parametrize("ec", HEAD_FORMS, ids=["adapter-classifier", "mlp-candidates",
+                                                "branch-output"])
+def test_per_exit_heads_compute_what_stacked_heads_do(ec):
+    """Heads held per exit (the per-layer layout's: each exit's parts buffers of their own,
+    read in a lax.switch) give what the stacked heads give (read at a dynamic index), for
+    every part an exit reads, at a traced slot, a static one and one a row (vmapped)."""
+    from ee_jax.models.exits import checks
+    from ee_jax.models.exits import heads as eh
+
+    key = jax.random.PRNGKey(5)
+    stacked = eh.init_heads(CFG, ec, PARAMS, key)
+    leaves, tree = jax.tree.flatten(stacked)  # every exit its own weights (untrained: equal)
+    stacked = jax.tree.unflatten(tree, [
+        a if a.dtype == np.int32 else 0.3 * jax.random.normal(jax.random.fold_in(key, i),
+                                                              a.shape, a.dtype)
+        for i, a in enumerate(leaves)])
+    stacked = eh.with_vocab_rows(PARAMS, stacked, CFG)
+    per = eh.unstack_heads(stacked)
+    assert eh.per_exit(per) and not eh.per_exit(stacked)
+    for n in eh.EXIT_PARTS:
+        part = getattr(per, n)
+        assert part is None or (isinstance(part, tuple) and len(part) == 3), n
+    assert per.vocab is stacked.vocab  # shared by every exit: as it was
+    h, mid = jax.random.normal(jax.random.fold_in(key, 99), (2, 4, CFG.d_model))
+
+    def reads(hd, slot):
+        x = eh.exit_input(hd, slot, h, mid, CFG)
+        out = {"input": x, "logits": eh.exit_logits(PARAMS, hd, slot, x, CFG)}
+        if ec.measure == "classifier":
+            out["classifier"] = checks.classifier_logit(hd, slot, x, CFG)
+        if ec.measure == "candidates":
+            out["decision"] = checks.decision_logit(hd, slot, x[:, :9])
+        return out
+
+    slots = jnp.asarray([2, -1, 0, 1], jnp.int32)
+    traced = jax.jit(reads)
+    for slot in range(3):
+        want = traced(stacked, jnp.int32(slot))
+        for got in (traced(per, jnp.int32(slot)), reads(per, slot)):
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                         got, want)
+    rows = jax.jit(lambda hd: eh.row_exit_logits(PARAMS, hd, slots, h, CFG))
+    np.testing.assert_allclose(rows(per), rows(stacked), rtol=1e-5, atol=1e-5)
+
+
+def test_per_layer_engine_holds_its_heads_per_exit():
+    eng = _engine("per_layer", HEAD_FORMS[1])
+    heads = eng.runner.exit_heads
+    assert isinstance(heads.mlp, tuple) and len(heads.mlp) == 3
+    assert heads.mlp[1]["down"].shape == (CFG.d_model, 4)
+    assert not isinstance(_engine("stacked", HEAD_FORMS[1]).runner.exit_heads.mlp, tuple)

@@ -219,56 +219,73 @@ def test_every_step_program_compiles_for_cuda():
 
 @needs_cuda_aot
 def test_cuda_steps_hold_their_layers_per_layer_and_copy_no_layer_weight():
-    """The plan holds a GPU's layers per layer (`llama.layout_for`); compiled for an H100, a
-    step of every kind (prefill, full-depth decode, each exit policy and back-fill, verified
-    exits) at batch 2 and 8 copies no layer weight out of a stack (`aot.traffic`'s copies of
-    a layer weight's shape), where the stacked layout copies one a weight (XLA GPU's
-    `loop_dynamic_slice_fusion`). Exit heads stacked by exit may still be sliced (counted
-    apart: their adapters' shapes)."""
+    """The plan holds a GPU's layers per layer and its exit heads per exit
+    (`llama.layout_for`); compiled for an H100, a step of every kind (prefill, full-depth
+    decode, each exit policy and back-fill, verified exits) at batch 2 and 8 copies no layer
+    weight and no exit head's weight out of a stack (`aot.traffic`'s copies of a weight's
+    shape), where the stacked layout copies one a weight (XLA GPU's
+    `loop_dynamic_slice_fusion`)."""
+    from ee_jax.models.exits.heads import EXIT_PARTS, head_shapes
+    from ee_jax.models.exits.heads import per_exit as exit_heads_per_exit
     from ee_jax.serving import hlo
     from ee_jax.serving.aot import traffic
 
+    # rank 32: the stacked heads' [D, r] matrices are copied out at this size (at EC's 8,
+    # XLA reads them in place either way), so the count below can see what per exit removes
+    exits = dataclasses.replace(EC, adapter_rank=32)
+    heads = head_shapes(CFG, exits)
     layer_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(
         aot.abstract_params(CFG).layers)}
+    head_shapes_ = {tuple(a.shape[1:]) for n in EXIT_PARTS
+                    for a in jax.tree.leaves(getattr(heads, n)) if a.ndim > 2}  # GEMM operands
 
-    def layer_copies(text: str) -> int:
+    def squeezed(dims) -> tuple:
+        return tuple(d for d in dims if d != 1)
+
+    def copies(text: str) -> tuple[int, int]:
+        """(layer weights, exit heads' weights) copied out of a stack in a compiled program."""
         bodies = hlo.computations(text)
-        n = 0
+        n = [0, 0]
         for lines in bodies.values():
             for i in hlo.instructions(lines):
                 callee = traffic._CALLEE.findall(i.rest) if i.op == "fusion" else []
                 inner = hlo.instructions(bodies.get(callee[0], ())) if callee else []
                 by = {x.name: x for x in inner}
                 root = next((x for x in inner if x.root), None)
-                if root is not None and root.dims is not None \
-                        and traffic._slice_copy(inner, by, root) \
-                        and tuple(d for d in root.dims if d != 1) in {
-                            tuple(d for d in s if d != 1) for s in layer_shapes}:
-                    n += 1
-        return n
+                if root is None or root.dims is None or not traffic._slice_copy(inner, by, root):
+                    continue
+                for k, shapes in enumerate((layer_shapes, head_shapes_)):
+                    n[k] += squeezed(root.dims) in {squeezed(s) for s in shapes}
+        return n[0], n[1]
 
     target = aot.parse_target("cuda:h100")
     config = dataclasses.replace(CONFIG, scheduler=dataclasses.replace(
         CONFIG.scheduler, max_num_seqs=8))
-    for layout, want in (("per_layer", 0), ("stacked", None)):
+    seen_stacked_heads = False
+    for layout in ("per_layer", "stacked"):
         plan = aot.Plan.make(CFG, target, dataclasses.replace(config, layer_layout=layout),
-                             EC, every_policy=layout == "per_layer")
+                             exits, every_policy=layout == "per_layer")
         assert plan.engine.layer_layout == layout
         if layout == "per_layer":
             plan = dataclasses.replace(plan, programs=[*plan.programs,
-                                                       ("verified", EC.verified(2))])
+                                                       ("verified", exits.verified(2))])
         shapes = [s for s in plan.shapes if (s.kind == "decode" and s.batch in (2, 8))
                   or s is next(t for t in plan.shapes if t.kind == "prefill")]
         for name, ec, shape in dataclasses.replace(plan, shapes=shapes).items():
-            if layout == "stacked" and name != "full":
+            if layout == "stacked" and not (name == "full" or (
+                    name.startswith("per_row") and shape.kind == "decode" and shape.batch == 8)):
                 continue
             lowered, _, error = aot._lower(plan.runner(ec), shape, target)
             assert error is None, (name, shape, error)
-            n = layer_copies(lowered.compile().as_text())
-            if want is None:
-                assert n > 0, (name, shape)  # why: the stacked layout's copies
-            else:
-                assert n == want, (name, shape, n)
+            layers, head = copies(lowered.compile().as_text())
+            if layout == "per_layer":
+                assert (layers, head) == (0, 0), (name, shape)
+            elif name == "full":
+                assert layers > 0, (name, shape)  # why: the stacked layout's copies
+            else:  # the count sees a stacked head's copies
+                assert not exit_heads_per_exit(plan.runner(ec).exit_heads) and head > 0, name
+                seen_stacked_heads = True
+    assert seen_stacked_heads
 
 
 @needs_cuda_aot

@@ -161,6 +161,37 @@ def test_weight_copies_are_found_and_their_bytes_counted():
     assert t.flops == 30 * 2 * 8 * 1536 * 576
 
 
+def test_a_copy_in_a_branch_not_taken_by_the_bytes_is_still_counted():
+    """A conditional's bytes are its cheapest branch's, but a weight copy in any branch is one
+    the program holds (an exit program's checks sit in their own branches): the layer loop
+    of GPU_LIKE in one branch, x passed through in the other."""
+    module = GPU_LIKE.replace("ENTRY %main", "%heavy").replace(
+        "%heavy (w: f32[30,576,1536], x: f32[8,576])",
+        "%heavy (h: (f32[30,576,1536], f32[8,576]))").replace(
+        "  %w = f32[30,576,1536]{2,1,0} parameter(0)\n  %x = f32[8,576]{1,0} parameter(1)\n"
+        "  %zero",
+        "  %h = (f32[30,576,1536]{2,1,0}, f32[8,576]{1,0}) parameter(0)\n"
+        "  %w = f32[30,576,1536]{2,1,0} get-tuple-element(%h), index=0\n"
+        "  %x = f32[8,576]{1,0} get-tuple-element(%h), index=1\n  %zero") + """
+%cheap (h: (f32[30,576,1536], f32[8,576])) -> f32[8,576] {
+  %h = (f32[30,576,1536]{2,1,0}, f32[8,576]{1,0}) parameter(0)
+  ROOT %x = f32[8,576]{1,0} get-tuple-element(%h), index=1
+}
+
+ENTRY %main (p: pred[], w: f32[30,576,1536], x: f32[8,576]) -> f32[8,576] {
+  %p = pred[] parameter(0)
+  %w = f32[30,576,1536]{2,1,0} parameter(1)
+  %x = f32[8,576]{1,0} parameter(2)
+  %h = (f32[30,576,1536]{2,1,0}, f32[8,576]{1,0}) tuple(%w, %x)
+  ROOT %out = f32[8,576]{1,0} conditional(%p, %h, %h), BRANCHES
+}
+""".replace("BRANCHES", "true_computation=%heavy, false_computation=%cheap")
+    t = traffic.count(module)
+    assert t.weight_copies == 1
+    assert t.bytes < 576 * 1536 * 4  # the cheap branch's: no layer read
+    assert traffic.count(module.replace("%heavy, false", "%cheap, false")).weight_copies == 0
+
+
 def test_compile_command_reports_each_programs_traffic(capsys):
     """`ee-jax compile --target cpu`: a line a program with MB read, the hand count, the
     roofline on this CPU's measured peaks and the copies, and a total line summing them; an

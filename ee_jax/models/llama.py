@@ -163,16 +163,21 @@ def unstack_layers(params: Params) -> Params:
     ShapeDtypeStructs without the layer axis, their sharding kept)."""
     if per_layer(params):
         return params
-    layers = params.layers
-    n = jax.tree.leaves(layers)[0].shape[0]
+    return params.replace(layers=unstack(params.layers))
+
+
+def unstack(tree) -> tuple:
+    """A tree whose leaves share a leading axis as a tuple of trees, one an index of it, each
+    leaf a buffer of its own (abstract leaves: ShapeDtypeStructs without the axis, their
+    sharding kept). The per-layer layout's layers, the per-exit heads' parts."""
+    n = jax.tree.leaves(tree)[0].shape[0]
 
     def take(a, i):
         if isinstance(a, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_drop_axis(a.sharding))
         return a[i]
 
-    return params.replace(layers=tuple(jax.tree.map(lambda a, i=i: take(a, i), layers)
-                                       for i in range(n)))
+    return tuple(jax.tree.map(lambda a, i=i: take(a, i), tree) for i in range(n))
 
 
 def _drop_axis(sharding):

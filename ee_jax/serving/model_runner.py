@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits.config import ExitConfig
-from ee_jax.models.exits.heads import check_heads, init_heads, with_vocab_rows
+from ee_jax.models.exits.heads import check_heads, init_heads, unstack_heads, with_vocab_rows
 from ee_jax.serving import attention_kernels, distributed, layouts, sharding
 from ee_jax.serving.attention import AttentionMetadata
 from ee_jax.serving.compilation import ProgramCache, abstract_signature
@@ -518,6 +518,7 @@ class ModelRunner:
         if self.layer_layout == "per_layer":  # placed first: each layer's slice keeps its
             # sharding (under a mesh, the stacked spec less the layer axis)
             self.params = llama.unstack_layers(self.params)
+            self.exit_heads = unstack_heads(self.exit_heads)  # an exit's parts as its buffers
         # The shapes this runner has run or compiled, each with the traces that took (0: the
         # shared program had it already; more than 1 would be a recompile).
         self.traces: dict[StepShape, int] = {}

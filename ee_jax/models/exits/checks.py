@@ -22,7 +22,7 @@ from ee_jax.models.config import ModelConfig
 from ee_jax.models.exits.config import ExitConfig
 from ee_jax.models.exits.heads import (
     approx_subset_logits,
-    at_slot,
+    at_exit,
     exit_hidden,
     exit_input,
     exit_logits,
@@ -54,9 +54,8 @@ def saturation(h: jax.Array, h_prev: jax.Array) -> jax.Array:
 
 def classifier_logit(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The learned confidence before the sigmoid (what tuning's BCE loss sees)."""
-    c = at_slot(heads.classifier, slot)
-    hn = llama.norm(h, at_slot(heads.norm, slot), cfg).astype(jnp.float32)
-    return hn @ c["w"] + c["b"]
+    return at_exit(heads, slot, lambda c, norm: llama.norm(h, norm, cfg).astype(jnp.float32)
+                   @ c["w"] + c["b"], "classifier", "norm")
 
 
 def classifier_confidence(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -227,9 +226,10 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
 
 def decision_logit(heads, slot, feats: jax.Array) -> jax.Array:
     """The exit's decision MLP before the sigmoid: feats [..., F] -> [...]."""
-    d = at_slot(heads.decision, slot)
-    hid = jnp.tanh(feats @ d["w1"] + d["b1"])
-    return hid @ d["w2"] + d["b2"]
+    def logit(d):
+        return jnp.tanh(feats @ d["w1"] + d["b1"]) @ d["w2"] + d["b2"]
+
+    return at_exit(heads, slot, logit, "decision")
 
 
 def check_confidence(params: llama.Params, heads, slot, h: jax.Array, state: CheckState,

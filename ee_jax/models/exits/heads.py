@@ -28,6 +28,7 @@ can only come from full depth. The exit head runs in full once, at the exit take
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -305,8 +306,59 @@ def check_heads(cfg: ModelConfig, ec: ExitConfig, heads: ExitHeads | Mapping[str
 
 
 def at_slot(tree, slot):
-    """The leaves of a heads subtree at exit `slot` (a traced index)."""
+    """The leaves of a stacked heads subtree at exit `slot` (a traced index)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), tree)
+
+
+# How heads are held follows the layer layout (`llama.LAYOUTS`, docs/architecture.md "Layer
+# layouts"). Stacked: a part indexed by exit holds [E, ...] leaves, an exit read by a dynamic
+# index. Per exit (GPU, with the per-layer layout): each such part a tuple of one subtree an
+# exit, each leaf a buffer of its own, read inside a `lax.switch` over the exits. XLA's GPU
+# compiler copies a dynamic slice of a stacked weight out before its GEMMs, and a switch over
+# static slices of one stack copies each branch's slice: only buffers of their own are read
+# in place. The subset's ids and rows and the back-fill maps are shared or gathered per row:
+# they stay as they are.
+EXIT_PARTS = ("norm", "adapter", "mlp", "classifier", "decision", "branch", "output")
+
+
+def per_exit(heads: ExitHeads) -> bool:
+    """Whether the heads hold their exits' parts per exit (tuples) rather than stacked."""
+    return any(isinstance(getattr(heads, n), tuple) for n in EXIT_PARTS)
+
+
+def unstack_heads(heads: ExitHeads | None) -> ExitHeads | None:
+    """Heads with each part indexed by exit as a tuple of per-exit subtrees (`llama.unstack`:
+    abstract leaves and shardings kept); the per-layer layout's heads."""
+    if heads is None or per_exit(heads):
+        return heads
+    return heads.replace(**{n: llama.unstack(getattr(heads, n)) for n in EXIT_PARTS
+                            if getattr(heads, n) is not None})
+
+
+def n_exits(heads: ExitHeads) -> int:
+    """How many exits the heads hold (stacked or per exit)."""
+    for n in EXIT_PARTS:
+        part = getattr(heads, n)
+        if part is not None:
+            return len(part) if isinstance(part, tuple) else jax.tree.leaves(part)[0].shape[0]
+    raise ExitConfigError("these exit heads hold no part indexed by exit")
+
+
+def at_exit(heads: ExitHeads, slot, fn, *names: str):
+    """fn(*the parts `names` at exit `slot`), a part None where the heads have none. Stacked:
+    the parts' leaves read at the slot; per exit: a `lax.switch` over the exits whose branch
+    e reads exit e's own buffers (a Python int slot: that exit's, no switch). Every reading
+    of an exit's parts goes through here, so both ways of holding them give the same math."""
+    parts = [getattr(heads, n) for n in names]
+    if not per_exit(heads):
+        return fn(*(None if p is None else at_slot(p, slot) for p in parts))
+
+    def branch(e: int):
+        return fn(*(None if p is None else p[e] for p in parts))
+
+    if isinstance(slot, int | np.integer):
+        return branch(int(slot))
+    return jax.lax.switch(slot, [functools.partial(branch, e) for e in range(n_exits(heads))])
 
 
 def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfig
@@ -318,22 +370,22 @@ def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfi
         return h
     if mid is None:
         raise ValueError("a branch exit reads its layer's state after attention: pass mid")
-    b = at_slot(heads.branch, slot)
-    return mid + llama.gated_mlp(llama.norm(mid, b["norm"], cfg), b["w_gate"], b["w_up"],
-                                 b["w_down"], cfg)
+    return at_exit(heads, slot, lambda b: mid + llama.gated_mlp(
+        llama.norm(mid, b["norm"], cfg), b["w_gate"], b["w_up"], b["w_down"], cfg), "branch")
 
 
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The normed (and adapted) hidden state of exit `slot`, ready for the shared LM head (or
     the exit's own output). h: what the exit reads (`exit_input`)."""
-    hn = llama.norm(h, at_slot(heads.norm, slot), cfg) if heads.norm is not None else h
-    if heads.adapter is not None:
-        ad = at_slot(heads.adapter, slot)
-        hn = hn + (hn @ ad["down"]) @ ad["up"]
-    if heads.mlp is not None:
-        ad = at_slot(heads.mlp, slot)
-        hn = hn + jax.nn.silu(hn @ ad["down"]) @ ad["up"]
-    return hn
+    def hidden(norm, adapter, mlp):
+        hn = llama.norm(h, norm, cfg) if norm is not None else h
+        if adapter is not None:
+            hn = hn + (hn @ adapter["down"]) @ adapter["up"]
+        if mlp is not None:
+            hn = hn + jax.nn.silu(hn @ mlp["down"]) @ mlp["up"]
+        return hn
+
+    return at_exit(heads, slot, hidden, "norm", "adapter", "mlp")
 
 
 def unembed_rows(params: llama.Params, xn: jax.Array, ids: jax.Array, cfg: ModelConfig,
@@ -385,9 +437,9 @@ def scatter_vocab(sub: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def _own_output(heads, slot, hn: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Exit `slot`'s own output matrix on hn [..., D] -> [..., V] f32."""
-    w = jax.lax.dynamic_index_in_dim(heads.output, slot, keepdims=False)  # [V, D]
-    return llama.cap_logits(out_major_matmul(hn, w, preferred_element_type=jnp.float32), cfg)
+    """Exit `slot`'s own output matrix ([V, D]) on hn [..., D] -> [..., V] f32."""
+    return at_exit(heads, slot, lambda w: llama.cap_logits(
+        out_major_matmul(hn, w, preferred_element_type=jnp.float32), cfg), "output")
 
 
 def temperature_at(temperatures: tuple[float, ...], slot) -> jax.Array | float:
@@ -431,7 +483,7 @@ def row_exit_logits(params: llama.Params, heads, slots: jax.Array, h: jax.Array,
     if heads.output is not None:  # an exit's own output: one product for each exit some row took
         out = jax.lax.cond(jnp.any(~left) & final, lambda: llama.unembed(params, final_h, cfg),
                            lambda: jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
-        for e in range(heads.output.shape[0]):
+        for e in range(n_exits(heads)):
             at_e = slots == e
             out = jax.lax.cond(
                 jnp.any(at_e),

@@ -13,7 +13,8 @@ counts the whole table. `count` walks the same module the way the program runs:
   `unknown_loops`: the program's count is then a lower bound;
 - a `conditional` counts its cheapest branch: what the step moves at least whichever way it
   branches (a greedy batch skips the sampler's filters; an exit step the head it does not
-  need);
+  need), and the weight copies of every branch (a copy the program holds is one, whether a
+  given step takes its branch or not);
 - a fusion reads each parameter whole, except one it only slices or gathers (a layer's slice
   of the stacked weights, a few rows of the head: those elements) and the buffer it updates in
   place (the KV pool written by a dynamic-update-slice or scatter: nothing read, the updates
@@ -136,7 +137,12 @@ def count(hlo_text: str, unknown_trips: int = 1, pool_elements: int | None = Non
             elif i.op == "conditional":
                 branches = callees + [b.strip().lstrip("%") for bs in _BRANCHES.findall(i.rest)
                                       for b in bs.split(",") if b.strip()]
-                total += min((walk(b) for b in branches), key=lambda t: t.bytes, default=ZERO)
+                walked = [walk(b) for b in branches]
+                cheapest = min(walked, key=lambda t: t.bytes, default=ZERO)
+                # bytes: the cheapest branch (a lower bound); copies: every branch's, as the
+                # program holds them (an exit program's checks sit in branches of their own)
+                total += dataclasses.replace(cheapest, weight_copies=sum(
+                    t.weight_copies for t in walked))
             elif i.op in ("call", "async-start") and callees:
                 total += sum((walk(c) for c in callees), ZERO)
             elif i.op == "fusion" and callees:
