@@ -639,13 +639,19 @@ def test_heads_with_wrong_shapes():
     wide_rank = good.replace(adapter={"down": jnp.zeros((3, CFG.d_model, 9)),
                                       "up": jnp.zeros((3, 9, CFG.d_model))})
     for heads, leaf in [(short_norm, r"\.norm\W+\(2, 48\)"),
-                        (no_classifier, r"\.classifier\['w'\]"),
-                        (wide_rank, r"\.adapter\['down'\]\W+\(3, 48, 9\)"),
+                        (no_classifier, r"\.classifier\.w\W"),
+                        (wide_rank, r"\.adapter\.down\W+\(3, 48, 9\)"),
                         ({**good.parts(), "bias": good.norm}, r"no part\(s\) \['bias'\]")]:
         with pytest.raises(ExitConfigError, match=rf"exit heads.*{leaf}"):
             exit_heads.check_heads(CFG, ec, heads)
         with pytest.raises(ExitConfigError, match=leaf):
             ModelRunner(CFG, PARAMS, SMALL_CACHE, ec, heads)
+    # a part given as a mapping of its fields is its type; a field it lacks or does not have
+    # is named with the ones it needs
+    assert isinstance(wide_rank.adapter, exit_heads.LowRank)
+    for bad in ({"down": good.adapter.down}, {**dataclasses.asdict(good.adapter), "bias": 0}):
+        with pytest.raises(ExitConfigError, match=r"part 'adapter' holds .*needs \['down', 'up'\]"):
+            exit_heads.check_heads(CFG, ec, {**good.parts(), "adapter": bad})
 
 
 # --------------------------------------------------------------------------- real model

@@ -51,9 +51,11 @@ def random_heads(ec: ExitConfig, seed: int = 1):
     heads = heads.replace(
         norm=heads.norm * (1 + 0.3 * jax.random.normal(next(k), heads.norm.shape)))
     if heads.adapter is not None:
-        heads.adapter["up"] = 0.2 * jax.random.normal(next(k), heads.adapter["up"].shape)
+        heads = heads.replace(adapter=heads.adapter.replace(
+            up=0.2 * jax.random.normal(next(k), heads.adapter.up.shape)))
     if heads.classifier is not None:
-        heads.classifier["w"] = jax.random.normal(next(k), heads.classifier["w"].shape)
+        heads = heads.replace(classifier=heads.classifier.replace(
+            w=jax.random.normal(next(k), heads.classifier.w.shape)))
     return heads
 
 

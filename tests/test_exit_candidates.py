@@ -34,9 +34,10 @@ def subset_heads(cfg, params, subset=SUBSET, k=K, seed=0):
     vocab = exit_heads.VocabSubset(subset, "tiny", cfg.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, vocab, cfg, "tiny")
     key = jax.random.PRNGKey(seed + 1)
-    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
-    heads.decision["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
-                                                heads.decision["w2"].shape)
+    heads = heads.replace(
+        mlp=heads.mlp.replace(up=0.3 * jax.random.normal(key, heads.mlp.up.shape)),
+        decision=heads.decision.replace(w2=jax.random.normal(jax.random.fold_in(key, 2),
+                                                             heads.decision.w2.shape)))
     return ec, heads
 
 
@@ -116,8 +117,8 @@ def test_well_separated_top_k_is_found_exactly():
     cfg, params = TIED_CFG, TIED_PARAMS
     subset = np.arange(3, 3 + 96, dtype=np.int32)  # 96 ids: 3 blocks of `exit_checks.top_k`
     ec, heads = subset_heads(cfg, params, subset)
-    heads.mlp["up"] = jnp.zeros_like(heads.mlp["up"])  # exit hidden: h / rms(h)
-    heads = heads.replace(norm=jnp.ones_like(heads.norm))
+    heads = heads.replace(mlp=heads.mlp.replace(up=jnp.zeros_like(heads.mlp.up)),
+                          norm=jnp.ones_like(heads.norm))  # exit hidden: h / rms(h)
     rng = np.random.default_rng(0)
     v = rng.normal(size=cfg.d_model)
     v /= np.linalg.norm(v)

@@ -43,10 +43,11 @@ def subset_heads(cfg, params, measure="candidates", k=4, seed=0):
     subset = exit_heads.VocabSubset(SUBSET, "tiny", cfg.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, subset, cfg, "tiny")
     key = jax.random.PRNGKey(seed + 1)
-    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
+    heads = heads.replace(mlp=heads.mlp.replace(
+        up=0.3 * jax.random.normal(key, heads.mlp.up.shape)))
     if heads.decision is not None:  # a decision MLP with some spread, so thresholds matter
-        heads.decision["w2"] = jax.random.normal(jax.random.fold_in(key, 2),
-                                                    heads.decision["w2"].shape)
+        heads = heads.replace(decision=heads.decision.replace(w2=jax.random.normal(
+            jax.random.fold_in(key, 2), heads.decision.w2.shape)))
     return ec, heads
 
 
@@ -446,8 +447,8 @@ def test_calibrate_heads_picks_the_threshold_a_plain_reference_certifies(tmp_pat
     heads = exit_heads.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
     subset = exit_heads.VocabSubset(sub, "tiny", CFG.vocab_size)
     heads = exit_heads.attach_vocab_subset(heads, subset, CFG, "tiny")
-    heads.decision["w2"] = 2.0 * jax.random.normal(jax.random.PRNGKey(1),
-                                                      heads.decision["w2"].shape)
+    heads = heads.replace(decision=heads.decision.replace(
+        w2=2.0 * jax.random.normal(jax.random.PRNGKey(1), heads.decision.w2.shape)))
     save_exit_heads(tmp_path / "h", CFG, ec, heads)
     (tmp_path / "h" / "tune_config.json").write_text('{"run": "kept"}\n')
     rng = np.random.default_rng(2)

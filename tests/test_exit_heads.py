@@ -67,7 +67,7 @@ def test_heads_round_trip_through_safetensors(tmp_path):
     ec = ExitConfig(exit_layers=(1, 2), head="adapter", measure="classifier",
                     adapter_rank=8, threshold=0.8)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(1))
-    heads.classifier["b"] = jnp.asarray([0.25, -1.5])
+    heads = heads.replace(classifier=heads.classifier.replace(b=jnp.asarray([0.25, -1.5])))
     save_exit_heads(tmp_path / "heads", CFG, ec, heads)
     ec2, restored = load_exit_heads(tmp_path / "heads", CFG)
     assert ec2 == ec
@@ -98,7 +98,7 @@ def test_heads_saved_by_orbax_before_still_load(tmp_path):
     (tmp_path / "h" / exit_checkpoint.HEADS).unlink()
     with ocp.StandardCheckpointer() as ckptr:
         # as ee-jax wrote them then: a dict of the parts
-        ckptr.save(tmp_path / "h" / exit_checkpoint.ORBAX_HEADS, heads.parts())
+        ckptr.save(tmp_path / "h" / exit_checkpoint.ORBAX_HEADS, heads.as_dicts())
         ckptr.wait_until_finished()
     ec2, restored = load_exit_heads(tmp_path / "h", CFG)
     assert ec2 == ec

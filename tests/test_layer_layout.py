@@ -165,5 +165,5 @@ def test_per_layer_engine_holds_its_heads_per_exit():
     eng = _engine("per_layer", HEAD_FORMS[1])
     heads = eng.runner.exit_heads
     assert isinstance(heads.mlp, tuple) and len(heads.mlp) == 3
-    assert heads.mlp[1]["down"].shape == (CFG.d_model, 4)
+    assert heads.mlp[1].down.shape == (CFG.d_model, 4)
     assert not isinstance(_engine("stacked", HEAD_FORMS[1]).runner.exit_heads.mlp, tuple)

@@ -219,9 +219,10 @@ def candidate_case(exit_layers):
     key = jax.random.PRNGKey(12)
     heads = heads.replace(vocab=jnp.asarray(
         np.random.default_rng(3).permutation(CFG.vocab_size), jnp.int32))
-    heads.mlp["up"] = 0.3 * jax.random.normal(key, heads.mlp["up"].shape)
-    heads.decision["w2"] = 2.0 * jax.random.normal(jax.random.fold_in(key, 1),
-                                                      heads.decision["w2"].shape)
+    heads = heads.replace(
+        mlp=heads.mlp.replace(up=0.3 * jax.random.normal(key, heads.mlp.up.shape)),
+        decision=heads.decision.replace(w2=2.0 * jax.random.normal(
+            jax.random.fold_in(key, 1), heads.decision.w2.shape)))
     return ec, heads
 
 
@@ -313,8 +314,8 @@ def test_row_exit_logits_match_exit_logits():
     heads = perturbed_heads(ec, seed=9)
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
     heads = heads.replace(adapter={
-        "down": jax.random.normal(k1, heads.adapter["down"].shape) * 0.1,
-        "up": jax.random.normal(k2, heads.adapter["up"].shape) * 0.1})
+        "down": jax.random.normal(k1, heads.adapter.down.shape) * 0.1,
+        "up": jax.random.normal(k2, heads.adapter.up.shape) * 0.1})
     h = jax.random.normal(jax.random.PRNGKey(4), (5, CFG.d_model))
     slots = jnp.asarray([2, -1, 0, 1, 0])
     got = exit_heads.row_exit_logits(PARAMS, heads, slots, h, CFG)

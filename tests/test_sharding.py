@@ -122,8 +122,8 @@ def test_exit_heads_are_sharded_like_the_mlp_where_tp_divides(rank, split):
     heads = exit_heads.init_heads(CFG, ec, PARAMS)
     mesh = MeshSpec.parse("tp=4").make_mesh()
     sh = param_shardings(heads, CFG, mesh)
-    assert tuple(sh.mlp["down"].spec) == (None, None, "tp" if split else None)
-    assert tuple(sh.mlp["up"].spec) == (None, "tp" if split else None, None)
+    assert tuple(sh.mlp.down.spec) == (None, None, "tp" if split else None)
+    assert tuple(sh.mlp.up.spec) == (None, "tp" if split else None, None)
     assert all(s is None for s in sh.norm.spec)  # [E, D]: replicated
 
 

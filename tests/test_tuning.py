@@ -56,7 +56,8 @@ def test_agreement_metric_is_top1_of_exit_head_vs_final_layer():
 
     ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
-    heads.mlp["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp["up"].shape)
+    heads = heads.replace(mlp=heads.mlp.replace(
+        up=0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp.up.shape)))
     tokens = jnp.asarray(ROWS[:2])
     _, m = exit_losses(heads, PARAMS, tokens, CFG, ec, LossWeights())
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
@@ -170,7 +171,8 @@ def test_restricted_kl_over_the_whole_vocabulary_is_the_full_kl():
 
     ec = ExitConfig(exit_layers=(1, 3), head="mlp", adapter_rank=4)
     heads = exit_heads.init_heads(CFG, ec, PARAMS, jax.random.PRNGKey(3))
-    heads.mlp["up"] = 0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp["up"].shape)
+    heads = heads.replace(mlp=heads.mlp.replace(
+        up=0.3 * jax.random.normal(jax.random.PRNGKey(4), heads.mlp.up.shape)))
     tokens = jnp.asarray(ROWS[:2])
     final, hidden = llama.forward(PARAMS, tokens, CFG, return_hidden=True)
     hs = hidden[np.asarray(ec.exit_layers) - 1]

@@ -16,6 +16,7 @@ with the heads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -199,8 +200,8 @@ def fit_decisions(heads: exit_heads.ExitHeads, feats: np.ndarray, agree: np.ndar
     feats [E, n, F] against agree [E, n]; returns (heads, final BCE per exit [E])."""
     x, y = jnp.asarray(feats), jnp.asarray(agree, jnp.float32)
     d0 = jax.tree.map(jnp.asarray, heads.decision)
-    d0 = dict(d0, b2=jnp.log(jnp.clip(y.mean(1), 1e-3, 1 - 1e-3))
-              - jnp.log1p(-jnp.clip(y.mean(1), 1e-3, 1 - 1e-3)))
+    d0 = dataclasses.replace(d0, b2=jnp.log(jnp.clip(y.mean(1), 1e-3, 1 - 1e-3))
+                             - jnp.log1p(-jnp.clip(y.mean(1), 1e-3, 1 - 1e-3)))
     opt = optax.adam(lr)
 
     def bce(d):
@@ -220,7 +221,7 @@ def fit_decisions(heads: exit_heads.ExitHeads, feats: np.ndarray, agree: np.ndar
     return heads.replace(decision=d), np.asarray(bce(d))
 
 
-def _one_decision(d: dict) -> exit_heads.ExitHeads:
+def _one_decision(d: exit_heads.Decision) -> exit_heads.ExitHeads:
     """One exit's decision MLP as heads of one exit (slot 0)."""
     return exit_heads.ExitHeads(decision=jax.tree.map(lambda a: a[None], d))
 

@@ -130,7 +130,7 @@ def read_heads(folder: Path, target: exit_heads.ExitHeads) -> exit_heads.ExitHea
 
             with ocp.StandardCheckpointer() as ckptr:
                 return exit_heads.ExitHeads.from_parts(
-                    ckptr.restore(Path(folder) / ORBAX_HEADS, target.parts()))
+                    ckptr.restore(Path(folder) / ORBAX_HEADS, target.as_dicts()))
         raise ModelLoadError(f"{folder} holds no exit heads ({HEADS} missing); save them with "
                              f"ee_jax.models.exits.checkpoint.save_exit_heads")
     import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)

@@ -55,7 +55,7 @@ def saturation(h: jax.Array, h_prev: jax.Array) -> jax.Array:
 def classifier_logit(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The learned confidence before the sigmoid (what tuning's BCE loss sees)."""
     return at_exit(heads, slot, lambda c, norm: llama.norm(h, norm, cfg).astype(jnp.float32)
-                   @ c["w"] + c["b"], "classifier", "norm")
+                   @ c.w + c.b, "classifier", "norm")
 
 
 def classifier_confidence(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -227,7 +227,7 @@ def candidate_features(params: llama.Params, heads, slot, h: jax.Array, state: C
 def decision_logit(heads, slot, feats: jax.Array) -> jax.Array:
     """The exit's decision MLP before the sigmoid: feats [..., F] -> [...]."""
     def logit(d):
-        return jnp.tanh(feats @ d["w1"] + d["b1"]) @ d["w2"] + d["b2"]
+        return jnp.tanh(feats @ d.w1 + d.b1) @ d.w2 + d.b2
 
     return at_exit(heads, slot, logit, "decision")
 

@@ -4,18 +4,20 @@ Exit heads live in their own params tree (`ExitHeads`), stacked on a leading exi
 order of `ExitConfig.exit_layers`:
 
     norm        [E, D]        per-exit RMSNorm weight (EE-LLM's default head; no training needed)
-    adapter/    down [E, D, r], up [E, r, D]     (head "adapter": residual low-rank adapter)
-    mlp/        down [E, D, r], up [E, r, D]     (head "mlp": residual SiLU MLP of width r)
-    classifier/ w [E, D], b [E]                  (measure "classifier": CALM's learned "meta")
-    vocab       [K] int32                        (vocab_subset K > 0: the ids exit heads score)
-    decision/   w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E]   (measure "candidates")
-    branch/     norm [E, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]
-                                                 (head "branch": EE-LLM's exit MLP, read from
-                                                 the layer's state after attention)
-    output      [E, V, D]                        (exit_output: each exit's own output matrix)
+    adapter     LowRank: down [E, D, r], up [E, r, D]   (head "adapter": residual low-rank)
+    mlp         LowRank: down [E, D, r], up [E, r, D]   (head "mlp": residual SiLU MLP, width r)
+    classifier  Classifier: w [E, D], b [E]    (measure "classifier": CALM's learned "meta")
+    vocab       [K] int32                      (vocab_subset K > 0: the ids exit heads score)
+    decision    Decision: w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E]  (measure "candidates")
+    branch      Branch: norm [E, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]
+                                               (head "branch": EE-LLM's exit MLP, read from
+                                               the layer's state after attention)
+    output      [E, V, D]                      (exit_output: each exit's own output matrix)
 
 A part the config does not use is None (`head_shapes` says which); `norm` is None when
-`ExitConfig.exit_norm` is False (the exit's state goes to its output unnormed).
+`ExitConfig.exit_norm` is False (the exit's state goes to its output unnormed). A part with
+leaves of its own is a typed pytree (`SUBPARTS`); a mapping of its field names converts.
+On GPU the parts indexed by exit are held per exit (`unstack_heads`, below).
 
 Every head but an `exit_output` one ends in the model's own LM head (`llama.unembed`), so
 an exit adds no vocabulary matrix. On SmolLM2 that head (49,152 x 576) costs about 8 decoder
@@ -51,6 +53,71 @@ from ee_jax.models.quant import out_major_matmul
 MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to exactly 0)
 
 
+class _Part:
+    def replace(self, **leaves):
+        return dataclasses.replace(self, **leaves)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRank(_Part):
+    """Head "adapter" (hn + hn @ down @ up) or "mlp" (hn + silu(hn @ down) @ up)."""
+
+    down: jax.Array  # [E, D, r]
+    up: jax.Array  # [E, r, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Classifier(_Part):
+    """Measure "classifier": CALM's learned confidence, sigmoid(norm(h) @ w + b)."""
+
+    b: jax.Array  # [E] f32
+    w: jax.Array  # [E, D] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decision(_Part):
+    """Measure "candidates": a tiny MLP an exit, sigmoid(tanh(f @ w1 + b1) @ w2 + b2)."""
+
+    b1: jax.Array  # [E, H] f32
+    b2: jax.Array  # [E] f32
+    w1: jax.Array  # [E, F, H] f32
+    w2: jax.Array  # [E, H] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Branch(_Part):
+    """Head "branch": EE-LLM's exit MLP on the layer's state after attention."""
+
+    norm: jax.Array  # [E, D]
+    w_down: jax.Array  # [E, F, D]
+    w_gate: jax.Array  # [E, D, F]
+    w_up: jax.Array  # [E, D, F]
+
+
+# The parts with leaves of their own, and their types (each type's fields in name order: the
+# leaves flatten in the order of the dicts they replace, so seeded random heads are
+# unchanged). A mapping of a type's field names (as a caller or an older checkpoint holds
+# one) converts to it where heads are made.
+SUBPARTS: dict[str, type] = {"adapter": LowRank, "mlp": LowRank, "classifier": Classifier,
+                             "decision": Decision, "branch": Branch}
+
+
+def _typed(name: str, value):
+    """A part as its type (`SUBPARTS`): a mapping converted, the rest as given."""
+    cls = SUBPARTS.get(name)
+    if cls is None or not isinstance(value, Mapping):
+        return value
+    fields = [f.name for f in dataclasses.fields(cls)]
+    if set(value) != set(fields):
+        raise ExitConfigError(f"exit head part {name!r} holds {sorted(value)}; it needs "
+                              f"{fields}")
+    return cls(**value)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExitHeads:
@@ -59,12 +126,12 @@ class ExitHeads:
     once, where heads are loaded or built (`as_heads`), and the step reads them as they are."""
 
     norm: jax.Array | None = None  # [E, D]
-    adapter: dict | None = None  # down [E, D, r], up [E, r, D]
-    mlp: dict | None = None  # down [E, D, r], up [E, r, D]
-    classifier: dict | None = None  # w [E, D] f32, b [E] f32
+    adapter: LowRank | None = None
+    mlp: LowRank | None = None
+    classifier: Classifier | None = None
     vocab: jax.Array | None = None  # [K] int32
-    decision: dict | None = None  # w1 [E, F, H], b1 [E, H], w2 [E, H], b2 [E] (f32)
-    branch: dict | None = None  # norm [E, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]
+    decision: Decision | None = None
+    branch: Branch | None = None
     output: jax.Array | None = None  # [E, V, D]
     # learned back-fill maps (`backfill_maps`): beside the heads, saved in their own file
     backfill: dict | None = None
@@ -73,6 +140,12 @@ class ExitHeads:
     vocab_rows_q: jax.Array | None = None  # [K, D] int8
     vocab_rows_scale: jax.Array | None = None  # [K] f32
 
+    def __post_init__(self):  # a part given as a mapping of its fields: as its type
+        for name in SUBPARTS:
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, _typed(name, value))
+
     def replace(self, **parts) -> ExitHeads:
         return dataclasses.replace(self, **parts)
 
@@ -80,6 +153,12 @@ class ExitHeads:
         """The present parts by name (what the heads' file keys its tensors by)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None}
+
+    def as_dicts(self) -> dict[str, Any]:
+        """The present parts as nested dicts (a typed part's fields by name): the tree orbax
+        items of heads were written in before the parts were typed."""
+        return {k: dataclasses.asdict(v) if k in SUBPARTS else v
+                for k, v in self.parts().items()}
 
     @classmethod
     def from_parts(cls, parts: Mapping[str, Any]) -> ExitHeads:
@@ -109,27 +188,27 @@ def head_shapes(cfg: ModelConfig, ec: ExitConfig) -> ExitHeads:
     if ec.exit_norm:
         tree["norm"] = jax.ShapeDtypeStruct((E, D), dt)
     if ec.head == "branch":
-        tree["branch"] = {"norm": jax.ShapeDtypeStruct((E, D), dt),
-                          "w_gate": jax.ShapeDtypeStruct((E, D, F), dt),
-                          "w_up": jax.ShapeDtypeStruct((E, D, F), dt),
-                          "w_down": jax.ShapeDtypeStruct((E, F, D), dt)}
+        tree["branch"] = Branch(norm=jax.ShapeDtypeStruct((E, D), dt),
+                                w_gate=jax.ShapeDtypeStruct((E, D, F), dt),
+                                w_up=jax.ShapeDtypeStruct((E, D, F), dt),
+                                w_down=jax.ShapeDtypeStruct((E, F, D), dt))
     if ec.exit_output:
         tree["output"] = jax.ShapeDtypeStruct((E, cfg.vocab_size, D), dt)
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
-        tree[ec.head] = {"down": jax.ShapeDtypeStruct((E, D, r), dt),
-                           "up": jax.ShapeDtypeStruct((E, r, D), dt)}
+        tree[ec.head] = LowRank(down=jax.ShapeDtypeStruct((E, D, r), dt),
+                                up=jax.ShapeDtypeStruct((E, r, D), dt))
     if ec.measure == "classifier":
-        tree["classifier"] = {"w": jax.ShapeDtypeStruct((E, D), jnp.float32),
-                              "b": jax.ShapeDtypeStruct((E,), jnp.float32)}
+        tree["classifier"] = Classifier(w=jax.ShapeDtypeStruct((E, D), jnp.float32),
+                                        b=jax.ShapeDtypeStruct((E,), jnp.float32))
     if ec.vocab_subset:
         tree["vocab"] = jax.ShapeDtypeStruct((ec.vocab_subset,), jnp.int32)
     if ec.measure == "candidates":
         F, H, f32 = N_FEATURES, DECISION_HIDDEN, jnp.float32
-        tree["decision"] = {"w1": jax.ShapeDtypeStruct((E, F, H), f32),
-                            "b1": jax.ShapeDtypeStruct((E, H), f32),
-                            "w2": jax.ShapeDtypeStruct((E, H), f32),
-                            "b2": jax.ShapeDtypeStruct((E,), f32)}
+        tree["decision"] = Decision(w1=jax.ShapeDtypeStruct((E, F, H), f32),
+                                    b1=jax.ShapeDtypeStruct((E, H), f32),
+                                    w2=jax.ShapeDtypeStruct((E, H), f32),
+                                    b2=jax.ShapeDtypeStruct((E,), f32))
     return ExitHeads(**tree)
 
 
@@ -147,29 +226,29 @@ def init_heads(cfg: ModelConfig, ec: ExitConfig, params: llama.Params,
     if ec.head == "branch":
         at = np.asarray(ec.exit_layers) - 1
         layers = params.layers
-        heads["branch"] = {"norm": layers.mlp_norm[at], "w_gate": layers.w_gate[at],
-                           "w_up": layers.w_up[at], "w_down": layers.w_down[at]}
+        heads["branch"] = Branch(norm=layers.mlp_norm[at], w_gate=layers.w_gate[at],
+                                 w_up=layers.w_up[at], w_down=layers.w_down[at])
     if ec.exit_output:
         head = (quant.dequantize(params.embed, cfg.jnp_dtype) if cfg.tie_embeddings
                 else params.lm_head.T)  # [V, D]
         heads["output"] = jnp.broadcast_to(head, (E, *head.shape)).copy()
     if ec.head in ("adapter", "mlp"):
         r = ec.adapter_rank
-        heads[ec.head] = {
-            "down": (jax.random.normal(key, (E, D, r)) / np.sqrt(D)).astype(cfg.jnp_dtype),
-            "up": jnp.zeros((E, r, D), cfg.jnp_dtype)}
+        heads[ec.head] = LowRank(
+            down=(jax.random.normal(key, (E, D, r)) / np.sqrt(D)).astype(cfg.jnp_dtype),
+            up=jnp.zeros((E, r, D), cfg.jnp_dtype))
     if ec.measure == "classifier":
-        heads["classifier"] = {"w": jnp.zeros((E, D), jnp.float32),
-                               "b": jnp.zeros((E,), jnp.float32)}
+        heads["classifier"] = Classifier(w=jnp.zeros((E, D), jnp.float32),
+                                         b=jnp.zeros((E,), jnp.float32))
     if ec.vocab_subset:  # placeholder ids; tuning puts the most frequent tokens here
         heads["vocab"] = jnp.arange(ec.vocab_subset, dtype=jnp.int32)
     if ec.measure == "candidates":  # "confidence 0.5" until trained
         F, H = N_FEATURES, DECISION_HIDDEN
-        heads["decision"] = {
-            "w1": (jax.random.normal(jax.random.fold_in(key, 1), (E, F, H)) / np.sqrt(F)
-                   ).astype(jnp.float32),
-            "b1": jnp.zeros((E, H), jnp.float32), "w2": jnp.zeros((E, H), jnp.float32),
-            "b2": jnp.zeros((E,), jnp.float32)}
+        heads["decision"] = Decision(
+            w1=(jax.random.normal(jax.random.fold_in(key, 1), (E, F, H)) / np.sqrt(F)
+                ).astype(jnp.float32),
+            b1=jnp.zeros((E, H), jnp.float32), w2=jnp.zeros((E, H), jnp.float32),
+            b2=jnp.zeros((E,), jnp.float32))
     return ExitHeads(**heads)
 
 
@@ -371,7 +450,7 @@ def exit_input(heads, slot, h: jax.Array, mid: jax.Array | None, cfg: ModelConfi
     if mid is None:
         raise ValueError("a branch exit reads its layer's state after attention: pass mid")
     return at_exit(heads, slot, lambda b: mid + llama.gated_mlp(
-        llama.norm(mid, b["norm"], cfg), b["w_gate"], b["w_up"], b["w_down"], cfg), "branch")
+        llama.norm(mid, b.norm, cfg), b.w_gate, b.w_up, b.w_down, cfg), "branch")
 
 
 def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -380,9 +459,9 @@ def exit_hidden(heads, slot, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     def hidden(norm, adapter, mlp):
         hn = llama.norm(h, norm, cfg) if norm is not None else h
         if adapter is not None:
-            hn = hn + (hn @ adapter["down"]) @ adapter["up"]
+            hn = hn + (hn @ adapter.down) @ adapter.up
         if mlp is not None:
-            hn = hn + jax.nn.silu(hn @ mlp["down"]) @ mlp["up"]
+            hn = hn + jax.nn.silu(hn @ mlp.down) @ mlp.up
         return hn
 
     return at_exit(heads, slot, hidden, "norm", "adapter", "mlp")

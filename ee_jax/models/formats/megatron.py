@@ -55,7 +55,7 @@ import numpy as np
 from ee_jax.errors import ModelLoadError, UnsupportedModelError
 from ee_jax.models.config import ConfigError, ModelConfig
 from ee_jax.models.exits.config import ExitConfig
-from ee_jax.models.exits.heads import ExitHeads
+from ee_jax.models.exits.heads import Branch, ExitHeads
 from ee_jax.models.llama import Params, ParamsMismatchError, check_params, param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -555,8 +555,8 @@ def _exit_heads(stages: list[_Stage], exits: list[tuple[int, int]], all_nums: li
     if norms:
         heads["norm"] = _to_device(norms, False, target)
     if branches:
-        heads["branch"] = {k: _to_device([b[k] for b in branches], k in TRANSPOSED, target)
-                           for k in branches[0]}
+        heads["branch"] = Branch(**{k: _to_device([b[k] for b in branches], k in TRANSPOSED,
+                                                  target) for k in branches[0]})
     if outputs:  # output-major [V, D], as the tied head
         heads["output"] = _to_device(outputs, False, target)
     return ExitHeads(**heads)
