@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     if ec.measure != "candidates":
         raise SystemExit(f"measure {ec.measure!r}: this bench reads the candidate decision")
     L, E = cfg.n_layers, np.asarray(ec.exit_layers)
-    rank = heads.backfill["a"].shape[-1] if heads.backfill is not None else 48
+    rank = heads.backfill.a.shape[-1] if heads.backfill is not None else 48
     cm = exit_cost.cost_model(cfg, ec, maps_rank=rank)
     kv, maps = cm.fill, cm.maps
     modes = [(bf, b) for bf in ("deferred", "propagate", "learned") for b in (1, 8)]

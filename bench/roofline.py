@@ -526,7 +526,7 @@ def pieces(cfg, ec, B: int, W: int, target: aot.Target, kv_dtype=None,
         span = cfg.n_layers - ec.exit_layers[0]
         # each row's maps for every layer above the first exit, and the corrections out (f32)
         maps_hand = R * (sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-                             for a in mshape.values())
+                             for a in jax.tree.leaves(mshape))
                          + span * 2 * backfill_maps.kv_dim(cfg) * 4)
         # the correction of R rows leaving at the first exit (one query each), counted as
         # the step counts it (XLA counts kv_correction's lax.cond by its all-rows branch)

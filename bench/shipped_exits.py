@@ -160,8 +160,8 @@ def compare(model, ec, heads, prompts, batch: int, new_tokens: int, repeats: int
     engines.update({k: make_llm(model, e, heads, batch, max_len, exit_control=forced)
                     for k, e in ecs.items()})
     if maps_f32 and heads.backfill is not None:
-        f32 = heads.replace(backfill={k: jnp.asarray(v, jnp.float32)
-                                      for k, v in heads.backfill.items()})
+        f32 = heads.replace(backfill=jax.tree.map(lambda v: jnp.asarray(v, jnp.float32),
+                                                  heads.backfill))
         for bf in filter(uses_maps, backfills):
             ecs[f"exits {bf}, maps f32"] = ecs[f"exits {bf}"]
             engines[f"exits {bf}, maps f32"] = make_llm(model, ecs[f"exits {bf}"], f32, batch,

@@ -37,16 +37,17 @@ def tiny_model(seed: int = 0, **overrides):
 
 
 def random_backfill_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int = 3,
-                         seed: int = 0, scale: float = 0.3) -> dict:
+                         seed: int = 0, scale: float = 0.3) -> bm.Maps:
     """Random learned back-fill maps (f32, normal times `scale`), zero where the format holds
     zero (layers at or below each exit): what a fit could produce, without fitting."""
     k = jax.random.PRNGKey(seed)
     shapes = bm.map_shapes(cfg, exit_layers, rank)
-    live = np.zeros((*shapes["a"].shape[:2], 1, 1), np.float32)
+    live = np.zeros((*shapes.a.shape[:2], 1, 1), np.float32)
     for s, j in bm.used(exit_layers, cfg.n_layers):
         live[s, j - exit_layers[0]] = 1
-    return {n: scale * jax.random.normal(jax.random.fold_in(k, i), s.shape) * live
-            for i, (n, s) in enumerate(shapes.items())}
+    return bm.Maps(**{n: scale * jax.random.normal(jax.random.fold_in(k, i),
+                                                   getattr(shapes, n).shape) * live
+                      for i, n in enumerate(bm.LEAVES)})
 
 
 def subprocess_env(devices: int | None = None) -> dict[str, str]:

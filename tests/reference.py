@@ -86,8 +86,8 @@ def learned_backfill_states(cfg, params, maps, exit_layers, tokens, exit_at) -> 
                     h = np.asarray(x[0, 0], np.float64)
                     n = np.append(h / np.sqrt(np.mean(h * h) + cfg.rms_eps), 1.0)
                     s = exit_layers.index(e)
-                    c = n @ np.asarray(maps["a"][s, j - first], np.float64) @ np.asarray(
-                        maps["b"][s, j - first], np.float64)
+                    c = n @ np.asarray(maps.a[s, j - first], np.float64) @ np.asarray(
+                        maps.b[s, j - first], np.float64)
                     dk = jnp.asarray(c[:kv].reshape(1, 1, cfg.n_kv_heads, cfg.head_dim),
                                      jnp.float32)
                     k = k + llama.apply_rope(dk, pos, inv_freq)

@@ -87,9 +87,9 @@ def test_finetuning_lowers_the_served_loss_and_keeps_unused_entries_zero():
     after = bt.evaluate(CFG, PARAMS, maps, [batch], EXITS)
     assert after["kl"] < 0.8 * before["kl"], (before, after)
     for s, e in enumerate(EXITS):  # layers at or below an exit are never read: still zero
-        assert not np.any(np.asarray(maps["a"][s, :e + 1 - FIRST], np.float32))
-        assert not np.any(np.asarray(maps["b"][s, :e + 1 - FIRST], np.float32))
-    assert maps["a"].dtype == bm.MAP_DTYPE
+        assert not np.any(np.asarray(maps.a[s, :e + 1 - FIRST], np.float32))
+        assert not np.any(np.asarray(maps.b[s, :e + 1 - FIRST], np.float32))
+    assert maps.a.dtype == bm.MAP_DTYPE
 
 
 def test_bad_finetuning_settings_are_refused():

@@ -67,10 +67,11 @@ def _maps(rank=2):
     """Random maps, zero where the format holds zero (a map's exit layer and below)."""
     shapes = backfill_maps.map_shapes(CFG, EXIT_LAYERS, rank)
     rng = np.random.default_rng(5)
-    maps = {k: 0.3 * rng.standard_normal(s.shape).astype(np.float32) for k, s in shapes.items()}
+    maps = backfill_maps.Maps(**{k: 0.3 * rng.standard_normal(getattr(shapes, k).shape).astype(
+        np.float32) for k in backfill_maps.LEAVES})
     for s_, e in enumerate(EXIT_LAYERS):
         for j in range(e + 1 - EXIT_LAYERS[0]):
-            maps["a"][s_, j] = 0.0
+            maps.a[s_, j] = 0.0
     return maps
 
 
@@ -86,7 +87,7 @@ def _correction(h, e, j, pos):
     in skipped layer j, straight from the definition: n = [h / rms(h), 1], n @ a @ b."""
     n = np.append(h / np.sqrt(np.mean(h * h) + CFG.rms_eps), 1.0)
     s, jj = EXIT_LAYERS.index(e), j - EXIT_LAYERS[0]
-    c = n @ MAPS["a"][s, jj] @ MAPS["b"][s, jj]
+    c = n @ MAPS.a[s, jj] @ MAPS.b[s, jj]
     kv = CFG.n_kv_heads * CFG.head_dim
     dk = c[:kv].reshape(CFG.n_kv_heads, CFG.head_dim)
     rope = llama.apply_rope(jnp.asarray(dk)[None, None], jnp.asarray([[pos]]),

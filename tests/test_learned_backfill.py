@@ -75,11 +75,11 @@ def test_full_rank_fit_without_ridge_is_numpy_least_squares(fitted):
         for j in range(e + 1, L):
             R = _np_pre_rope_kv(train[:, j - FIRST], j) - _np_pre_rope_kv(train[:, e - FIRST], j)
             want = np.linalg.lstsq(X, R, rcond=None)[0]
-            got = np.asarray(maps["a"][s, j - FIRST]) @ np.asarray(maps["b"][s, j - FIRST])
+            got = np.asarray(maps.a[s, j - FIRST]) @ np.asarray(maps.b[s, j - FIRST])
             np.testing.assert_allclose(X @ got, X @ want, rtol=1e-3, atol=1e-3 * np.abs(
                 X @ want).max(), err_msg=f"exit {e} layer {j}")
         # the exit's own layer (its input is the exit state) and below: no correction
-        assert not np.any(np.asarray(maps["a"][s, :e + 1 - FIRST]))
+        assert not np.any(np.asarray(maps.a[s, :e + 1 - FIRST]))
 
 
 def test_fitted_maps_lower_held_out_error_against_propagate(fitted):
@@ -157,7 +157,7 @@ def test_learned_writes_propagate_plus_map_at_the_skipped_slots_only(gather):
             lp = llama.layer_params(PARAMS, j)
             k, v = llama.kv_project(lp, h[r][None], meta.positions[r][None], CFG)
             s = EXITS.index(e)  # zero at j == e: propagate is exact there
-            c = x @ np.asarray(maps["a"][s, j - FIRST]) @ np.asarray(maps["b"][s, j - FIRST])
+            c = x @ np.asarray(maps.a[s, j - FIRST]) @ np.asarray(maps.b[s, j - FIRST])
             dk = c[:, :KV].reshape(1, 1, CFG.n_kv_heads, CFG.head_dim)
             dk = llama.apply_rope(jnp.asarray(dk, jnp.float32), meta.positions[r][None], inv)
             np.testing.assert_allclose(k1[j, page, off], np.asarray(k + dk)[0, 0], atol=1e-5,
@@ -188,8 +188,8 @@ def test_maps_for_other_exits_or_shapes_are_refused(tmp_path):
     with pytest.raises(bm.BackfillMapsError, match=r"exit layers \[1, 3\]"):
         bm.check_maps(CFG, (1, 3), maps)
     with pytest.raises(bm.BackfillMapsError, match="leaves 'a' and 'b'"):
-        bm.check_maps(CFG, EXITS, {"a": maps["a"]})
-    bad = dict(maps, b=maps["b"][..., :-1])
+        bm.check_maps(CFG, EXITS, {"a": maps.a})
+    bad = maps.replace(b=maps.b[..., :-1])
     with pytest.raises(bm.BackfillMapsError, match="'b' has shape"):
         bm.check_maps(CFG, EXITS, bad)
     bm.save_maps(tmp_path, CFG, EXITS, maps, info={"tokens": 1})
@@ -197,10 +197,11 @@ def test_maps_for_other_exits_or_shapes_are_refused(tmp_path):
     assert info == {"tokens": 1}
     used = [(s, j - FIRST) for s, j in bm.used(EXITS, L)]
     for k in ("a", "b"):  # bf16 on disk; unused pairs come back zero
-        want = np.zeros(maps[k].shape, np.float32)
+        mk = getattr(maps, k)
+        want = np.zeros(mk.shape, np.float32)
         for s, j in used:
-            want[s, j] = np.asarray(maps[k][s, j].astype(jnp.bfloat16).astype(jnp.float32))
-        np.testing.assert_array_equal(np.asarray(got[k]), want)
+            want[s, j] = np.asarray(mk[s, j].astype(jnp.bfloat16).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(getattr(got, k)), want)
     with pytest.raises(bm.BackfillMapsError, match=r"fitted for exit layers \[2, 3, 4\]"):
         bm.load_maps(tmp_path, CFG, (2, 3))
     with pytest.raises(bm.BackfillMapsError, match="fitted for a model"):

@@ -229,7 +229,7 @@ def test_cached_tuning_lowers_the_loss_keeps_the_backbone_and_ships_calibration(
     assert ec2.threshold == NEVER or 0.0 < ec2.threshold < 1.0
     assert ec2.backfill == tc.exit_config.backfill
     # learned back-fill maps fitted and shipped beside the heads, recorded in exit_config.json
-    assert heads.backfill["a"].shape[-1] == tc.backfill_rank
+    assert heads.backfill.a.shape[-1] == tc.backfill_rank
     record = json.loads((Path(tc.output) / "exit_config.json").read_text())["backfill_maps"]
     assert record["rank"] == tc.backfill_rank and record["fit_tokens"] > 0
     ec3, _ = load_exit_heads(tc.output, CFG, target_agreement=1.0)
@@ -263,8 +263,8 @@ def test_fit_backfill_finetune_lowers_the_served_loss_and_records_it():
     model = LoadedModel(CFG, params, None, "tiny")
     ec = ExitConfig(exit_layers=(1, 2, 3), threshold=0.5)
     heads = exit_heads.init_heads(CFG, ec, params, jax.random.PRNGKey(0))
-    maps = {n: m.astype(bm.MAP_DTYPE) for n, m in random_backfill_maps(
-        CFG, ec.exit_layers, rank=4, seed=1, scale=0.2).items()}
+    maps = jax.tree.map(lambda m: m.astype(bm.MAP_DTYPE), random_backfill_maps(
+        CFG, ec.exit_layers, rank=4, seed=1, scale=0.2))
     pairs = [(list(r[:8]), list(r[8:20])) for r in ROWS]
     # a threshold at the heads' median confidence: about half the answer tokens leave
     conf = np.asarray(backfill_tune._dense_pass(params, heads, jnp.asarray(ROWS[:, :20]), CFG,
@@ -277,4 +277,4 @@ def test_fit_backfill_finetune_lowers_the_served_loss_and_records_it():
     after = rec["served_sim_held_out_after"]["answers"]
     assert before["tokens"] == after["tokens"] > 0
     assert after["kl"] < before["kl"]
-    assert new["a"].shape == maps["a"].shape and new["a"].dtype == bm.MAP_DTYPE
+    assert new.a.shape == maps.a.shape and new.a.dtype == bm.MAP_DTYPE

@@ -76,8 +76,8 @@ class MapFitter:
         if not 1 <= rank <= 2 * kv:
             raise bm.BackfillMapsError(f"rank must be in [1, {2 * kv}], got {rank}")
         shapes = bm.map_shapes(cfg, self.exits, rank)
-        a = np.zeros(shapes["a"].shape, np.float32)
-        b = np.zeros(shapes["b"].shape, np.float32)
+        a = np.zeros(shapes.a.shape, np.float32)
+        b = np.zeros(shapes.b.shape, np.float32)
         for s, e in enumerate(self.exits):
             G = self.G[e]
             lam = ridge * float(np.mean(np.diag(G)))
@@ -88,7 +88,7 @@ class MapFitter:
                 S = np.concatenate([np.full(kv, 1 / rms[0]), np.full(kv, 1 / rms[1])])
                 aa, bb = reduce_rank(C, G, S, rank)
                 a[s, j - self.first], b[s, j - self.first] = aa, bb
-        return {"a": jnp.asarray(a), "b": jnp.asarray(b)}
+        return bm.Maps(a=jnp.asarray(a), b=jnp.asarray(b))
 
 
 def reduce_rank(C: np.ndarray, G: np.ndarray, S: np.ndarray, rank: int
@@ -117,8 +117,8 @@ def kv_errors(cfg: ModelConfig, params, exit_layers: tuple[int, ...], maps: bm.M
         for j in range(e + 1, cfg.n_layers):
             y = np.asarray(_pre_rope_kv(params, j, hs[:, j - first], cfg), np.float64)
             prop = np.asarray(_pre_rope_kv(params, j, he, cfg), np.float64)
-            fit = prop + X @ np.asarray(maps["a"][s, j - first], np.float64) @ np.asarray(
-                maps["b"][s, j - first], np.float64)
+            fit = prop + X @ np.asarray(maps.a[s, j - first], np.float64) @ np.asarray(
+                maps.b[s, j - first], np.float64)
 
             def rel(p, sl):
                 return float(np.linalg.norm(p[:, sl] - y[:, sl]) / np.linalg.norm(y[:, sl]))

@@ -108,8 +108,8 @@ def served_forward(params, maps: bm.Maps, h_first: jax.Array, exit_at: jax.Array
 
     layers = jax.tree.map(lambda w: w[first:], params.layers)
     js = jnp.arange(first, L, dtype=jnp.int32)
-    a = jnp.moveaxis(maps["a"], 1, 0)  # [L - first, X, D+1, r]
-    b = jnp.moveaxis(maps["b"], 1, 0)
+    a = jnp.moveaxis(maps.a, 1, 0)  # [L - first, X, D+1, r]
+    b = jnp.moveaxis(maps.b, 1, 0)
     (x, _), _ = jax.lax.scan(jax.checkpoint(body), (h_first, h_first), (layers, a, b, js))
     return x
 
@@ -211,7 +211,7 @@ def finetune(cfg, params, maps, batches: list[Batch], exit_layers, *, epochs: in
     exit_layers = tuple(exit_layers)
     bm.check_maps(cfg, exit_layers, maps)
     # entries of layers at or below each exit stay zero (never read; kept so by the mask)
-    live = np.zeros(maps["a"].shape[:2], np.float32)
+    live = np.zeros(maps.a.shape[:2], np.float32)
     for s, j in bm.used(exit_layers, cfg.n_layers):
         live[s, j - exit_layers[0]] = 1.0
     live = jnp.asarray(live)[..., None, None]

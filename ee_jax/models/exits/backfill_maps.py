@@ -26,7 +26,9 @@ memory they stay bf16 (`MAP_DTYPE`), the correction computing in f32.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,22 @@ FILE = "backfill_maps.safetensors"
 # map is the saved one exactly, in half the bytes a step's gather or read moves).
 MAP_DTYPE = jnp.bfloat16
 DEFAULT_RANK = 48  # what `ee-jax tune` fits (TuneConfig.backfill_rank) and AOT plans with
-Maps = dict[str, Any]  # {"a": [X, L - first, D + 1, r], "b": [X, L - first, r, 2*K*hd]}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Maps:
+    """The fitted maps (module docstring); a mapping with keys "a" and "b" converts
+    (`as_maps`), as heads given as mappings do."""
+
+    a: Any  # [X, L - first, D + 1, r]
+    b: Any  # [X, L - first, r, 2 * K * hd]
+
+    def replace(self, **leaves) -> Maps:
+        return dataclasses.replace(self, **leaves)
+
+
+LEAVES = tuple(f.name for f in dataclasses.fields(Maps))
 
 
 class BackfillMapsError(EEJaxError, ValueError):
@@ -60,17 +77,29 @@ def map_shapes(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int
     if not exit_layers:
         raise BackfillMapsError("back-fill maps need at least one exit layer")
     X, span = len(exit_layers), cfg.n_layers - exit_layers[0]
-    return {"a": jax.ShapeDtypeStruct((X, span, cfg.d_model + 1, rank), MAP_DTYPE),
-            "b": jax.ShapeDtypeStruct((X, span, rank, 2 * kv_dim(cfg)), MAP_DTYPE)}
+    return Maps(a=jax.ShapeDtypeStruct((X, span, cfg.d_model + 1, rank), MAP_DTYPE),
+                b=jax.ShapeDtypeStruct((X, span, rank, 2 * kv_dim(cfg)), MAP_DTYPE))
 
 
 def zero_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], rank: int = 1) -> Maps:
     """Maps that correct nothing: "learned" back-fill with them is propagate, bit for bit."""
-    return {k: jnp.zeros(s.shape, s.dtype) for k, s in map_shapes(cfg, exit_layers, rank).items()}
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), map_shapes(cfg, exit_layers, rank))
+
+
+def as_maps(maps: Maps | Mapping[str, Any]) -> Maps:
+    """maps as `Maps` (a mapping of "a" and "b" converted), or BackfillMapsError naming what
+    it holds instead."""
+    if isinstance(maps, Maps):
+        return maps
+    if isinstance(maps, Mapping) and set(maps) == set(LEAVES):
+        return Maps(**maps)
+    got = sorted(maps) if isinstance(maps, Mapping) else type(maps).__name__
+    raise BackfillMapsError(f"back-fill maps are a Maps (or a mapping) with leaves 'a' and "
+                            f"'b', got {got}")
 
 
 def rank_of(maps: Maps) -> int:
-    return int(np.shape(maps["a"])[-1])
+    return int(np.shape(maps.a)[-1])
 
 
 def used(exit_layers: tuple[int, ...], n_layers: int) -> list[tuple[int, int]]:
@@ -80,16 +109,14 @@ def used(exit_layers: tuple[int, ...], n_layers: int) -> list[tuple[int, int]]:
 
 def check_maps(cfg: ModelConfig, exit_layers: tuple[int, ...], maps: Maps) -> None:
     """Raise BackfillMapsError naming the mismatch unless `maps` fit these exits and model."""
-    if not isinstance(maps, dict) or set(maps) != {"a", "b"}:
-        got = sorted(maps) if isinstance(maps, dict) else type(maps).__name__
-        raise BackfillMapsError(f"back-fill maps must be a dict with leaves 'a' and 'b', got "
-                                f"{got}")
+    maps = as_maps(maps)
     r = rank_of(maps)
     want = map_shapes(cfg, exit_layers, r)
-    for k, s in want.items():
-        if tuple(np.shape(maps[k])) != s.shape:
+    for k in LEAVES:
+        s, got = getattr(want, k), tuple(np.shape(getattr(maps, k)))
+        if got != s.shape:
             raise BackfillMapsError(
-                f"back-fill map {k!r} has shape {tuple(np.shape(maps[k]))}, but exit layers "
+                f"back-fill map {k!r} has shape {got}, but exit layers "
                 f"{list(exit_layers)} on this model (L={cfg.n_layers}, d_model={cfg.d_model}, "
                 f"K/V width {kv_dim(cfg)}) at rank {r} need {s.shape}: fit maps for these "
                 f"exits (ee-jax tune) or serve back-fill 'propagate'")
@@ -126,12 +153,12 @@ def _correction(maps: Maps, slots: jax.Array, n: jax.Array, gather: bool = True)
     live = slots >= 0
     s = jnp.where(live, slots, 0)
     if gather:
-        a, b = maps["a"][s], maps["b"][s]  # [B, J, D+1, r], [B, J, r, 2KV]
+        a, b = maps.a[s], maps.b[s]  # [B, J, D+1, r], [B, J, r, 2KV]
         z = jnp.einsum("btd,bjdr->jbtr", n, a.astype(jnp.float32))
         c = jnp.einsum("jbtr,bjro->jbto", z, b.astype(jnp.float32))  # [J, B, T, 2KV]
     else:
-        z = jnp.einsum("btd,xjdr->xjbtr", n, maps["a"].astype(jnp.float32))
-        c = jnp.einsum("xjbtr,xjro->xjbto", z, maps["b"].astype(jnp.float32))  # [X, J, B, T, O]
+        z = jnp.einsum("btd,xjdr->xjbtr", n, maps.a.astype(jnp.float32))
+        c = jnp.einsum("xjbtr,xjro->xjbto", z, maps.b.astype(jnp.float32))  # [X, J, B, T, O]
         c = jnp.moveaxis(c[s, :, jnp.arange(s.shape[0])], 0, 1)  # each row's slot: [J, B, T, O]
     return jnp.where(live[None, :, None, None], c, 0.0)
 
@@ -184,9 +211,9 @@ def save_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...], maps: Maps
     tensors = {}
     for s, e in enumerate(exit_layers):
         if e + 1 < L:
-            for k in ("a", "b"):
+            for k in LEAVES:
                 tensors[f"{k}.{e}"] = np.asarray(
-                    jnp.asarray(maps[k][s, e + 1 - first:]).astype(jnp.bfloat16))
+                    jnp.asarray(getattr(maps, k)[s, e + 1 - first:]).astype(jnp.bfloat16))
     meta = {"model": json.dumps(_model_id(cfg)), "exit_layers": json.dumps(list(exit_layers)),
             "rank": str(rank_of(maps)), "info": json.dumps(info or {})}
     return safetensors_io.save_file(tensors, Path(folder) / FILE, metadata=meta)
@@ -218,15 +245,15 @@ def load_maps(folder, cfg: ModelConfig, exit_layers: tuple[int, ...]) -> tuple[M
             raise BackfillMapsError(f"back-fill maps in {path} were fitted for exit layers "
                                     f"{list(saved_exits)}, not {list(exit_layers)}")
         shapes = map_shapes(cfg, exit_layers, rank)
-        out = {k: np.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        out = {k: np.zeros(getattr(shapes, k).shape, getattr(shapes, k).dtype) for k in LEAVES}
         first = exit_layers[0]
         for s, e in enumerate(exit_layers):
             if e + 1 < cfg.n_layers:
-                for k in ("a", "b"):
+                for k in LEAVES:
                     t = f.get_tensor(f"{k}.{e}").astype(out[k].dtype)
                     want = out[k][s, e + 1 - first:].shape
                     if t.shape != want:
                         raise BackfillMapsError(f"back-fill map {k}.{e} in {path} has shape "
                                                 f"{t.shape}, expected {want}")
                     out[k][s, e + 1 - first:] = t
-    return {k: jnp.asarray(v) for k, v in out.items()}, info
+    return Maps(**{k: jnp.asarray(v) for k, v in out.items()}), info

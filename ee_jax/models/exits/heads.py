@@ -134,7 +134,7 @@ class ExitHeads:
     branch: Branch | None = None
     output: jax.Array | None = None  # [E, V, D]
     # learned back-fill maps (`backfill_maps`): beside the heads, saved in their own file
-    backfill: dict | None = None
+    backfill: backfill_maps.Maps | None = None
     # derived from the LM head for serving (`with_vocab_rows`), never saved
     vocab_rows: jax.Array | None = None  # [K, D]
     vocab_rows_q: jax.Array | None = None  # [K, D] int8
@@ -145,6 +145,8 @@ class ExitHeads:
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, _typed(name, value))
+        if isinstance(self.backfill, Mapping):
+            object.__setattr__(self, "backfill", backfill_maps.as_maps(self.backfill))
 
     def replace(self, **parts) -> ExitHeads:
         return dataclasses.replace(self, **parts)
@@ -157,7 +159,7 @@ class ExitHeads:
     def as_dicts(self) -> dict[str, Any]:
         """The present parts as nested dicts (a typed part's fields by name): the tree orbax
         items of heads were written in before the parts were typed."""
-        return {k: dataclasses.asdict(v) if k in SUBPARTS else v
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                 for k, v in self.parts().items()}
 
     @classmethod
