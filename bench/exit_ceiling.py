@@ -149,13 +149,30 @@ def history_features(conf: np.ndarray, feats: np.ndarray, agree: np.ndarray,
     return np.concatenate([x, np.ones((E, n, 1))], -1)
 
 
-def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts, feats=None) -> list[str]:
+def state_features(hs: np.ndarray, fit_tok: np.ndarray, dims: int = 64) -> np.ndarray:
+    """[E, n, dims] the exits' states h / rms(h) projected on the `dims` principal directions
+    of the fitting tokens' (all exits pooled), standardised: what a probe of the state (CALM's
+    learned confidence, measure "classifier") can read beyond the decision's features.
+    hs: [n, E, D]."""
+    h = np.asarray(hs, np.float64).transpose(1, 0, 2)  # [E, n, D]
+    h = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + 1e-6)
+    pool = h[:, fit_tok].reshape(-1, h.shape[-1])
+    mean = pool.mean(0)
+    _, _, vt = np.linalg.svd(pool[:: max(1, len(pool) // 20000)] - mean, full_matrices=False)
+    z = (h - mean) @ vt[:dims].T
+    sd = z.reshape(-1, dims).std(0)
+    return z / np.where(sd > 0, sd, 1.0)
+
+
+def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts, feats=None,
+                  hs=None, probe_dims: int = 64) -> list[str]:
     """Table rows (after the group) of the verified-exits ceiling: the oracle, the heads'
     threshold and the best threshold of a grid, per max_draft; then draft rules fitted on the
     even answers and scored on the odd ones (held apart): one threshold, a threshold per exit
     (coordinate ascent), a threshold to start a run beside one to extend it, and (given the
     decision's features) a logistic decision refitted for drafting without and with the
-    row's history (`history_features`), each with its start and extend thresholds."""
+    row's history (`history_features`), each with its start and extend thresholds; given the
+    exits' states hs [n, E, D] also one reading a probe of the state (`state_features`)."""
     from ee_jax.models.exits import cost as exit_cost
 
     threshold = ec.threshold
@@ -227,8 +244,11 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts, feats=None) 
             continue
         fit_tok = np.isin(row_of, list(fit))
         prob = {}
-        for h in ("none", "start", "extend"):
-            x = history_features(conf, feats, agree, row_of, h)
+        state = None if hs is None else state_features(hs, fit_tok, probe_dims)
+        for h in ("none", "start", "extend") + (("state",) if state is not None else ()):
+            x = history_features(conf, feats, agree, row_of, "none" if h == "state" else h)
+            if h == "state":
+                x = np.concatenate([state, x], -1)
             w = logistic_fit(x[:, fit_tok].reshape(-1, x.shape[-1]),
                              agree[:, fit_tok].reshape(-1))
             prob[h] = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))  # [E, n]
@@ -239,7 +259,11 @@ def verified_rows(cm, ec, conf, agree, E, L, row_of, n, max_drafts, feats=None) 
             return np.where(slot >= 0, E[slot], L), (slot >= 0) & agree[np.maximum(slot, 0), at]
 
         for name, ps, pr in (("refitted decision, no history", "none", "none"),
-                             ("refitted decision + the row's history", "start", "extend")):
+                             ("refitted decision + the row's history", "start", "extend"),
+                             ("refitted decision + a probe of the exit's state", "state",
+                              "state")):
+            if ps not in prob:
+                continue
             ts, tr = max(pairs, key=lambda q, ps=ps, pr=pr: ceiling(
                 prule(prob[ps], q[0]), d, fit, prule(prob[pr], q[1]))[0])
             sp, a, k = ceiling(prule(prob[ps], ts), d, held, prule(prob[pr], tr))
@@ -386,6 +410,9 @@ def main(argv=None) -> int:
                    help="prompts per calibration group (default: the preset's)")
     p.add_argument("--max-drafts", type=int, nargs="+", default=[2, 4, 8],
                    help="verified exits: runs of at most this many drafts")
+    p.add_argument("--probe-dims", type=int, default=64,
+                   help="verified exits: principal directions of the exits' states the "
+                        "state-probe decision reads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -439,7 +466,7 @@ def main(argv=None) -> int:
         hs = cache["hs"].transpose(0, 2, 1, 3).reshape(n * T, len(E), -1)[keep]
         feats, agree = C.decision_data(cfg, ec, params, heads, hs, rows.reshape(-1)[keep],
                                        cache["top"][..., 0].reshape(-1)[keep])
-        del cache, hs
+        del cache
         conf = C.confidences(heads, feats)
         oracle = np.where(agree.any(0), E[np.argmax(agree, 0)], L)
         found = [("oracle (first agreeing exit)", "-", oracle, 0.0)]
@@ -459,7 +486,8 @@ def main(argv=None) -> int:
                          + " | ".join(f"{x:.2f}x" for x in ideal) + " |")
             log(lines[-1])
         verified[g] = verified_rows(cm, ec, conf, agree, E, L, row_of, n, args.max_drafts,
-                                     feats)
+                                     feats, hs, args.probe_dims)
+        del hs
     lines += ["", "Batch 1: memory-bound (each weight once per step); batch 8: 8 answers side "
               "by side, per_row, compute-bound (per row). Deferred: the pending token rides "
               "along in the layers the new token runs (memory-bound: no weight more; "

@@ -143,6 +143,29 @@ def test_exit_ceiling_logistic_fit_recovers_a_known_model():
     assert here[2] > here[1]
 
 
+def test_exit_ceiling_state_probe_reads_a_direction_the_labels_follow():
+    """A label that follows one direction of the exits' states (the rest noise, much larger
+    in every other direction but spread over them): the standardised principal directions
+    hold it, and a logistic fit on them predicts held-out labels (numpy's generator)."""
+    from bench.exit_ceiling import logistic_fit, state_features
+
+    rng = np.random.default_rng(1)
+    n, E, D = 4000, 2, 32
+    u = rng.normal(size=D)
+    u /= np.linalg.norm(u)
+    s = rng.normal(size=(n, E))
+    hs = 3.0 * s[..., None] * u + rng.normal(size=(n, E, D))  # [n, E, D]
+    y = (s > 0).T  # [E, n]
+    fit = np.arange(n) % 2 == 0
+    z = state_features(hs, fit, dims=4)
+    assert z.shape == (E, n, 4)
+    np.testing.assert_allclose(z[:, fit].reshape(-1, 4).std(0), 1.0, atol=0.05)
+    x = np.concatenate([z, np.ones((E, n, 1))], -1)
+    w = logistic_fit(x[:, fit].reshape(-1, 5), y[:, fit].reshape(-1))
+    held = (x[:, ~fit] @ w > 0) == y[:, ~fit]
+    assert held.mean() > 0.9
+
+
 def test_teacher_forced_agreement_counts_positions_after_the_first():
     class Out:  # what the engine returns: its own greedy choice at each forced position
         def __init__(self, predicted):
