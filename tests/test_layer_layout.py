@@ -7,6 +7,8 @@ policy and back-fill, on one device and on tp=2 (simulated devices).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 # per_row in one row stage (min_row_bucket = the batch), as on a GPU, whose layout per_layer
 # is: no compaction there (`model_runner.min_row_bucket`); stages would only add loops to compile
 EXITS = ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, measure="max_prob", min_row_bucket=4)
+# every other head form: per exit they must compute what stacked ones do
+HEAD_FORMS = [
+    ExitConfig(exit_layers=(1, 2, 3), head="adapter", adapter_rank=4, measure="classifier"),
+    ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=4, measure="candidates",
+               vocab_subset=32, candidates=4),
+    ExitConfig(exit_layers=(1, 2, 3), head="branch", exit_output=True, measure="max_prob"),
+]
 
 
 def _engine(layout: str, ec: ExitConfig | None, mesh: str | None = None) -> LLMEngine:
@@ -78,8 +87,6 @@ def test_lossless_steps_equal_the_dense_forward(dense, ec):
                                              ("per_row", "propagate"),
                                              ("per_row", "deferred")])
 def test_lossy_exits_equal_the_stacked_engine(policy, backfill):
-    import dataclasses
-
     ec = dataclasses.replace(EXITS, policy=policy, backfill=backfill)
     stacked, per_layer = (run_requests(_engine(layout, ec), PROMPTS, GREEDY)
                           for layout in ("stacked", "per_layer"))
@@ -89,10 +96,17 @@ def test_lossy_exits_equal_the_stacked_engine(policy, backfill):
 
 
 def test_tp2_per_layer_equals_the_dense_forward(dense):
-    eng = _engine("per_layer", EXITS.verified(2), mesh="tp=2")
+    """Per layer and per exit under tp=2: each layer's and exit's buffers keep their split
+    (an MLP head's width over tp, as the stacked spec less its axis), the tokens the dense
+    forward's (verified exits with subset MLP heads and candidate decisions)."""
+    ec = dataclasses.replace(HEAD_FORMS[1], threshold=0.3, min_row_bucket=4).verified(2)
+    eng = _engine("per_layer", ec, mesh="tp=2")
     assert [o.token_ids for o in run_requests(eng, PROMPTS, GREEDY)] == dense
+    assert eng.stats.num_drafted > 0  # the heads drafted: their switches ran
     wq = eng.runner.params.layers[0].wq
     assert len(wq.sharding.device_set) == 2
+    down = eng.runner.exit_heads.mlp[0].down  # [D, r]
+    assert tuple(down.sharding.spec) == (None, "tp")
 
 
 def test_llm_holds_the_per_layer_params_it_serves():
@@ -106,14 +120,6 @@ def test_llm_holds_the_per_layer_params_it_serves():
               progress=False)
     assert llm.model.params is llm.engine.runner.params
     assert isinstance(llm.model.params.layers, tuple)
-
-
-HEAD_FORMS = [
-    ExitConfig(exit_layers=(1, 2, 3), head="adapter", adapter_rank=4, measure="classifier"),
-    ExitConfig(exit_layers=(1, 2, 3), head="mlp", adapter_rank=4, measure="candidates",
-               vocab_subset=32, candidates=4),
-    ExitConfig(exit_layers=(1, 2, 3), head="branch", exit_output=True, measure="max_prob"),
-]
 
 
 @pytest.mark.parametrize("ec", HEAD_FORMS, ids=["adapter-classifier", "mlp-candidates",
