@@ -54,6 +54,8 @@ MASKED = -1e9  # logit of a token an exit head does not score (exp underflows to
 
 
 class _Part:
+    """What every typed head part offers beside its fields."""
+
     def replace(self, **leaves):
         return dataclasses.replace(self, **leaves)
 
@@ -123,7 +125,8 @@ def _typed(name: str, value):
 class ExitHeads:
     """Every exit's head parameters (shapes: the module docstring). A field is None where the
     ExitConfig has no such part; `check_heads` holds the present ones to the config's shapes
-    once, where heads are loaded or built (`as_heads`), and the step reads them as they are."""
+    once, where heads are loaded or built (`as_heads`), and the step reads them as they are.
+    Held per exit (`unstack_heads`, GPU) a part indexed by exit is a tuple of one an exit."""
 
     norm: jax.Array | None = None  # [E, D]
     adapter: LowRank | None = None
