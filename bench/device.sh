@@ -23,7 +23,7 @@
 # docs/roofline.md, "CUDA"), two rows into a GEMM, so the engine's GPU steps
 # start at two rows (`scheduler.default_batch_buckets`). bench.step runs the runner at exactly
 # B rows: if batch 1's full-depth step is faster than batch 2's on the device, that rule goes.
-# On a GPU, `per_row` runs one stage (no row compaction: `model_runner.min_row_bucket`; a
+# On a GPU, `per_row` runs one stage (no row compaction: `served_min_row_bucket`; a
 # layer over B/2 rows is expected to cost what it costs over B until B is large). Compare its
 # forced-exit rows at batch 128 with the CPU's to see whether that holds on the chip.
 set -euo pipefail

@@ -11,5 +11,5 @@ NEW = 6
 CONFIG = dict(max_num_seqs=4, max_model_len=32, page_size=4, num_pages=40,
               max_prefill_chunk=16, batch_buckets=(4,))
 # every decode row leaves at layer 2 and is back-filled; one row stage (min_row_bucket = the
-# batch), as a TPU pod serves per_row (`model_runner.min_row_bucket`)
+# batch), as a TPU pod serves per_row (`served_min_row_bucket`)
 EXITS = ExitConfig(exit_layers=(1, 2, 3), policy="per_row", force_exit_layer=2, min_row_bucket=4)

@@ -28,7 +28,7 @@ RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(3, CFG.vocab_size, n).tolist() for n in (6, 19, 2, 11)]
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 # per_row in one row stage (min_row_bucket = the batch), as on a GPU, whose layout per_layer
-# is: no compaction there (`model_runner.min_row_bucket`); stages would only add loops to compile
+# is: no compaction there (`served_min_row_bucket`); stages would only add loops to compile
 EXITS = ExitConfig(exit_layers=(1, 2, 3), threshold=0.02, measure="max_prob", min_row_bucket=4)
 # every other head form: per exit they must compute what stacked ones do
 HEAD_FORMS = [

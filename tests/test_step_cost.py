@@ -306,3 +306,9 @@ def test_the_runners_row_buckets_are_counted():
     e = dataclasses.replace(ec(), min_row_bucket=8)
     assert sc.step_work(e, L, [1] * 7 + [4]).layers == sc.Count(4, 32)
     assert sc.step_work(ec(), L, [1] * 7 + [4]).layers == sc.Count(4, 8 + 1 + 1 + 1)
+    # priced for an accelerator, the stages its runner serves: none, an explicit 1 included
+    for platform in ("tpu", "gpu"):
+        for asked in (None, 1):
+            e = dataclasses.replace(ec(), min_row_bucket=asked)
+            assert sc.step_work(e, L, [1] * 7 + [4], platform=platform).layers == \
+                sc.Count(4, 32), (platform, asked)

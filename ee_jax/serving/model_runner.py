@@ -22,7 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ee_jax.models import llama, quant
 from ee_jax.models.config import ModelConfig
-from ee_jax.models.exits.config import ExitConfig
+from ee_jax.models.exits.config import ExitConfig, served_min_row_bucket
 from ee_jax.models.exits.heads import check_heads, init_heads, unstack_heads, with_vocab_rows
 from ee_jax.serving import attention_kernels, distributed, layouts, sharding
 from ee_jax.serving.attention import AttentionMetadata
@@ -402,22 +402,6 @@ def _verify(result, run: Pending, st: SamplingTensors, cfg: ModelConfig):
     return nxt, nxt_lp, emitted, dataclasses.replace(result, pending=pending)
 
 
-def min_row_bucket(platform: str, max_batch: int, asked: int | None = None) -> int:
-    """The smallest row bucket policy "per_row" compacts into on `platform`; `asked`:
-    `ExitConfig.min_row_bucket`. Compaction pays only where a layer over fewer rows costs
-    less. On CPU it does (GGUF blocks, the default model's, are dequantized row by row inside
-    each product: 2 rows cost twice one, `python -m bench.kernels q4-unpack`): every bucket
-    down to 1 unless an integer was asked, which is served as given. On a TPU or GPU a decode
-    layer reads its weights whatever the rows (the ridge point is ~240 rows on TPU v5e, ~300
-    on H100: 197 TFLOP/s / 819 GB/s, 989 / 3.35): no compaction whatever was asked (heads
-    saved with min_row_bucket 1, the shipped ones among them, included), and no extra stage,
-    each another copy of the layer loop to compile (a SmolLM2 per_row step at batch 8: 37 s
-    for TPU v5e, 3 stages, against 13 s under policy "all")."""
-    if platform != "cpu":
-        return max_batch
-    return 1 if asked is None else asked
-
-
 def layout_shape(shapes: Iterable[StepShape], exits: bool) -> StepShape | None:
     """The step a TPU runner picks its weights', heads' and pool's layouts from: the largest
     decode bucket (the program that moves the most; the smaller ones then take the same
@@ -478,7 +462,7 @@ class ModelRunner:
         params = llama.check_params(cfg, params, source="the params given")
         params = quant.for_platform(params, platform)  # a GGUF's blocks as this target reads
         if exit_config is not None and exit_config.policy == "per_row":
-            exit_config = dataclasses.replace(exit_config, min_row_bucket=min_row_bucket(
+            exit_config = dataclasses.replace(exit_config, min_row_bucket=served_min_row_bucket(
                 platform, max_batch, exit_config.min_row_bucket))
         abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
         self.cfg = cfg

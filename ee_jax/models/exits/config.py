@@ -74,7 +74,7 @@ class ExitConfig:
     (saturation still records the hidden state there).
     min_row_bucket: "per_row" only — the smallest row bucket the running rows are compacted
     into (buckets are B, B/2, ..., min_row_bucket). None (the default): the serving runner
-    picks it where fewer rows cost less (`model_runner.min_row_bucket`): 1 on CPU; on
+    picks it where fewer rows cost less (`served_min_row_bucket`): 1 on CPU; on
     accelerators the runner never compacts, whatever is asked (weight reads dominate a layer
     there). On CPU an integer is served as given (fewer stages: less to compile).
     force_exit_layer: benchmarks and tests only — leave at that exit regardless of confidence.
@@ -296,6 +296,22 @@ class ExitConfig:
         for slot, e in enumerate(self.exit_layers):
             table[e] = slot
         return table
+
+
+def served_min_row_bucket(platform: str, max_batch: int, asked: int | None = None) -> int:
+    """The smallest row bucket policy "per_row" compacts into on `platform`; `asked`:
+    `ExitConfig.min_row_bucket`. Compaction pays only where a layer over fewer rows costs
+    less. On CPU it does (GGUF blocks, the default model's, are dequantized row by row inside
+    each product: 2 rows cost twice one, `python -m bench.kernels q4-unpack`): every bucket
+    down to 1 unless an integer was asked, which is served as given. On a TPU or GPU a decode
+    layer reads its weights whatever the rows (the ridge point is ~240 rows on TPU v5e, ~300
+    on H100: 197 TFLOP/s / 819 GB/s, 989 / 3.35): no compaction whatever was asked (heads
+    saved with min_row_bucket 1, the shipped ones among them, included), and no extra stage,
+    each another copy of the layer loop to compile (a SmolLM2 per_row step at batch 8: 37 s
+    for TPU v5e, 3 stages, against 13 s under policy "all")."""
+    if platform != "cpu":
+        return max_batch
+    return 1 if asked is None else asked
 
 
 def checked_layers(ec: ExitConfig, n_layers: int) -> tuple[int, ...]:

@@ -64,6 +64,7 @@ from ee_jax.models.exits.config import (
     checked_layers,
     rides_along,
     run_widths,
+    served_min_row_bucket,
     uses_maps,
 )
 
@@ -147,7 +148,8 @@ def step_work(ec: ExitConfig, n_layers: int, exit_layers: Sequence[int],
     of the row's previous token, under verified exits the depth of every draft in its run;
     ignored where nothing rides along. bucket: the rows of the program (default: the rows
     given; padding rows cost what the step spends on them). platform: where the learned maps
-    are gathered a row at a time (`backfill_maps.gathers`)."""
+    are gathered a row at a time (`backfill_maps.gathers`) and whether policy "per_row"
+    compacts its rows (`served_min_row_bucket`: as the runner there serves it)."""
     L = n_layers
     rows = [int(e) for e in exit_layers]
     if not rows:
@@ -163,7 +165,9 @@ def step_work(ec: ExitConfig, n_layers: int, exit_layers: Sequence[int],
                          f"batch's exit layer, got {sorted(set(rows))}")
     riders = ec.max_draft if ec.verify else int(rides_along(ec.backfill))
     pend = _pending_depths(pending, len(rows), riders, L)
-    sizes = (B,) if batch_wide else ec.row_buckets(B)
+    # the stages the runner on `platform` serves (an accelerator never compacts)
+    sizes = (B,) if batch_wide else dataclasses.replace(ec, min_row_bucket=served_min_row_bucket(
+        platform, B, ec.min_row_bucket)).row_buckets(B)
 
     layers = ride = NONE
     bucket_at = []  # the rows layer n runs over
