@@ -282,10 +282,11 @@ class ExitConfig:
             return self.force_exit_layer
         return next((e for e in self.exit_layers if e >= self.min_exit_layer), None)
 
-    def row_buckets(self, batch: int) -> tuple[int, ...]:
+    def row_buckets(self, batch: int, floor: int | None = None) -> tuple[int, ...]:
         """Static row buckets of policy "per_row" for a batch of `batch` rows, largest first:
-        ceil(batch / 2**k) down to min_row_bucket (None: 1; always holding `batch` itself)."""
-        sizes, floor = [batch], self.min_row_bucket or 1
+        ceil(batch / 2**k) down to `floor` (default min_row_bucket; None: 1; always holding
+        `batch` itself)."""
+        sizes, floor = [batch], floor or self.min_row_bucket or 1
         while sizes[-1] > 1 and -(-sizes[-1] // 2) >= floor:
             sizes.append(-(-sizes[-1] // 2))
         return tuple(sizes)

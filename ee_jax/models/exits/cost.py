@@ -166,8 +166,8 @@ def step_work(ec: ExitConfig, n_layers: int, exit_layers: Sequence[int],
     riders = ec.max_draft if ec.verify else int(rides_along(ec.backfill))
     pend = _pending_depths(pending, len(rows), riders, L)
     # the stages the runner on `platform` serves (an accelerator never compacts)
-    sizes = (B,) if batch_wide else dataclasses.replace(ec, min_row_bucket=served_min_row_bucket(
-        platform, B, ec.min_row_bucket)).row_buckets(B)
+    sizes = (B,) if batch_wide else ec.row_buckets(
+        B, served_min_row_bucket(platform, B, ec.min_row_bucket))
 
     layers = ride = NONE
     bucket_at = []  # the rows layer n runs over
